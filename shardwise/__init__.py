@@ -1,0 +1,1 @@
+from shardwise.ir.trace import Traced, trace, trace_model  # noqa: F401

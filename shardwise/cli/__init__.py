@@ -1,0 +1,63 @@
+"""The ``shardwise`` command. Each subcommand lives in its own module in this package and
+exposes ``add_parser(subparsers)``; its handler returns a JSON-able dict (for ``--json``) and
+prints the human report itself. ``UserError`` becomes one sentence on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from shardwise.errors import UserError
+
+# Subcommand modules, in the order ``--help`` lists them.
+COMMANDS = ("trace", "plan", "run", "cost", "segment")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own usage errors: one line, exit 2
+        sys.stderr.write(f"shardwise: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="shardwise", description="A graph compiler for distributed PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"shardwise.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"shardwise.cli.{name}":
+                continue  # not built yet
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def add_model_options(p: argparse.ArgumentParser, default_model: str = "llama3-8b") -> None:
+    """The model options shared by trace, plan, run and segment."""
+    p.add_argument("--model", default=default_model, help="built-in name or hf:path/to/config.json")
+    p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    p.add_argument("--batch", type=int, default=None, help="override the example batch size")
+    p.add_argument("--seq", type=int, default=None, help="override the example sequence length")
+    p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None)
+    p.add_argument("--inference", action="store_true", help="forward only (default: a training step)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.handler(args)
+    except UserError as e:
+        sys.stderr.write(f"shardwise {args.command}: error: {e}\n")
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=None, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""Typed access to the ``node.meta`` keys shardwise reads and writes."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+VAL = "val"
+SEQ_NR = "seq_nr"
+STACK_TRACE = "stack_trace"
+MODULE_STACK = "nn_module_stack"
+# Keys a rewrite carries from the node it replaces to the node that replaces it.
+KEPT_KEYS = (VAL, SEQ_NR, STACK_TRACE, MODULE_STACK, "tensor_meta")
+
+
+def fake_value(node: fx.Node) -> torch.Tensor | None:
+    """The FakeTensor a node computes, or None when it is not a single tensor."""
+    v = node.meta.get(VAL)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(node: fx.Node) -> tuple[int, ...] | None:
+    """Static shape of a tensor node; None when it is not a tensor or any dim is symbolic."""
+    v = fake_value(node)
+    if v is None:
+        return None
+    dims = tuple(v.shape)
+    return dims if all(isinstance(d, int) for d in dims) else None
+
+
+def copy_meta(dst: fx.Node, src: fx.Node, *, seq_nr_from: fx.Node | None = None) -> None:
+    """Copy the kept meta keys from ``src`` onto ``dst`` (``seq_nr`` optionally from another node)."""
+    for k in KEPT_KEYS:
+        if k in src.meta:
+            dst.meta[k] = src.meta[k]
+    if seq_nr_from is not None and SEQ_NR in seq_nr_from.meta:
+        dst.meta[SEQ_NR] = seq_nr_from.meta[SEQ_NR]

@@ -1,0 +1,188 @@
+"""Trace a model into one functional ATen fx graph on fake tensors.
+
+Training (``train=True``): the graph computes ``(loss, *grads)`` for every trainable parameter:
+forward and backward in one joint graph. Inference: the graph computes the model's outputs.
+Parameters are graph placeholders (first, in ``named_parameters`` order), then the example
+inputs. Everything runs under a ``FakeTensorMode``: no parameter memory is ever allocated, so a
+70B model traces on a laptop; every tensor node carries ``meta["val"]``, a FakeTensor.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+
+from shardwise.errors import UserError
+from shardwise.ir.meta import fake_value
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass
+class Traced:
+    """A traced step and what each placeholder and output means.
+
+    ``params`` maps a parameter name to its placeholder's node name; ``grads`` maps it to the
+    name of the node whose value is returned as its gradient. ``inputs`` lists the placeholders of
+    the example inputs; ``loss`` (training) or ``outputs`` (inference) name the returned nodes.
+    """
+
+    gm: fx.GraphModule
+    train: bool
+    params: dict[str, str]
+    inputs: list[str]
+    grads: dict[str, str] = field(default_factory=dict)
+    loss: str | None = None
+    outputs: list[str] = field(default_factory=list)
+    phases: dict[str, Phase] = field(default_factory=dict)
+    model_name: str = ""
+
+    def node(self, name: str) -> fx.Node:
+        return _node_index(self.gm)[name]
+
+    def phase(self, node: fx.Node) -> Phase:
+        return self.phases.get(node.name, Phase.FORWARD)
+
+    def param_of_placeholder(self) -> dict[str, str]:
+        return {v: k for k, v in self.params.items()}
+
+    def refresh_phases(self) -> None:
+        """Recompute forward/backward marks after a pass changed the graph."""
+        self.phases = _phases(self.gm, self.train)
+
+
+def _node_index(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    return {n.name: n for n in gm.graph.nodes}
+
+
+def _phases(gm: fx.GraphModule, train: bool) -> dict[str, Phase]:
+    """Forward = the loss and everything it depends on; the rest of a training graph is backward."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if not train:
+        return {n.name: Phase.FORWARD for n in gm.graph.nodes}
+    loss = out.args[0][0]
+    fwd: set[fx.Node] = set()
+    stack = [loss]
+    while stack:
+        n = stack.pop()
+        if n in fwd:
+            continue
+        fwd.add(n)
+        stack.extend(n.all_input_nodes)
+    return {n.name: (Phase.FORWARD if n in fwd or n.op == "placeholder" else Phase.BACKWARD)
+            for n in gm.graph.nodes}
+
+
+def _check_functional(gm: fx.GraphModule) -> None:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            if n.target._schema.is_mutable:
+                raise UserError(f"traced graph holds the in-place op {n.format_node()}; shardwise needs "
+                                "a functional graph.")
+
+
+def trace(
+    model: nn.Module,
+    *example_inputs: torch.Tensor,
+    train: bool = True,
+    fake_mode: FakeTensorMode | None = None,
+    model_name: str = "",
+) -> Traced:
+    """Trace ``model`` on ``example_inputs`` into a joint (or forward-only) ATen graph.
+
+    ``model`` may hold real or fake parameters; the trace itself always runs on fake tensors.
+    In training mode the model's forward must return a scalar loss.
+    """
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad or not train]
+    names = [k for k, _ in named]
+    mode = fake_mode or _mode_of([p for _, p in named], example_inputs) or FakeTensorMode()
+    params = [_to_fake(mode, p) for _, p in named]
+    inputs = [_to_fake(mode, x) for x in example_inputs]
+    buffers = {k: _to_fake(mode, b) for k, b in model.named_buffers()}
+    n_params = len(params)
+
+    def step(*flat: torch.Tensor):
+        ps = flat[:n_params]
+        state = {**buffers, **dict(zip(names, ps, strict=True))}
+        out = functional_call(model, state, tuple(flat[n_params:]))
+        if not train:
+            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if not (isinstance(out, torch.Tensor) and out.dim() == 0):
+            raise UserError("a training trace needs a model whose forward returns a scalar loss.")
+        grads = torch.autograd.grad(out, ps, allow_unused=True)
+        return (out, *grads)
+
+    with mode:
+        if train:
+            params = [p.detach().requires_grad_(True) for p in params]
+        gm = make_fx(step, tracing_mode="real", record_module_stack=True)(*params, *inputs)
+    _check_functional(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    results = list(out_node.args[0])
+    traced = Traced(
+        gm=gm,
+        train=train,
+        params={k: placeholders[i].name for i, k in enumerate(names)},
+        inputs=[n.name for n in placeholders[n_params:]],
+        model_name=model_name,
+    )
+    if train:
+        traced.loss = results[0].name
+        traced.grads = {k: g.name for k, g in zip(names, results[1:], strict=True) if isinstance(g, fx.Node)}
+    else:
+        traced.outputs = [r.name for r in results if isinstance(r, fx.Node)]
+    traced.refresh_phases()
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "call_function") and fake_value(n) is None and n.type is not None:
+            pass
+    return traced
+
+
+def _mode_of(params: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> FakeTensorMode | None:
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([*params, *inputs])
+
+
+def _to_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):
+        return t
+    return mode.from_tensor(t, static_shapes=True)
+
+
+def trace_model(
+    name: str,
+    *,
+    train: bool = True,
+    layers: int | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> Traced:
+    """Build a named model on fake tensors and trace it (see ``shardwise.models.get_model``)."""
+    from shardwise.models import get_model
+
+    spec = get_model(name, layers=layers, batch=batch, seq=seq, dtype=dtype)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        module = spec.build_module()
+        if not train:
+            module.eval()
+    inputs = spec.example_inputs(train)
+    return trace(module, *inputs, train=train, fake_mode=mode, model_name=name)

@@ -1,0 +1,67 @@
+"""Hugging Face ``transformers`` causal LMs built from a ``config.json`` (no weights, no hub)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardwise.errors import UserError
+
+
+class HFCausalLM(nn.Module):
+    """Wraps a transformers causal LM in the ``forward(tokens, labels=None)`` convention."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.model(input_ids=tokens, labels=labels, use_cache=False)
+        return out.logits if labels is None else out.loss
+
+
+def load_config(path: str, *, layers: int | None = None):
+    """Read a config.json into a transformers ``PretrainedConfig`` (SDPA attention)."""
+    import transformers
+
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UserError(f"hf config file {path!r} does not exist; pass hf:path/to/config.json") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"hf config file {path!r} cannot be read ({e.__class__.__name__}).") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"hf config file {path!r} is not valid JSON (line {e.lineno}: {e.msg}).") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise UserError(f"hf config file {path!r} has no 'model_type'; it is not a transformers config.")
+    model_type = raw.pop("model_type")
+    try:
+        cfg = transformers.AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError):
+        raise UserError(
+            f"transformers does not know the architecture {model_type!r} named in {path!r}."
+        ) from None
+    if layers is not None:
+        cfg.num_hidden_layers = layers
+        if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
+            cfg.layer_types = list(cfg.layer_types)[:layers] + [cfg.layer_types[-1]] * max(
+                0, layers - len(cfg.layer_types)
+            )
+        if hasattr(cfg, "max_window_layers"):
+            cfg.max_window_layers = min(cfg.max_window_layers, layers)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_hf(cfg, dtype: torch.dtype) -> nn.Module:
+    import transformers
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    except ValueError as e:
+        raise UserError(f"transformers cannot build a causal LM from this config: {e}".split("\n")[0]) from None
+    return HFCausalLM(model)

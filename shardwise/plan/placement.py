@@ -1,0 +1,50 @@
+"""Placement vocabulary of plans: DTensor's ``Shard(d)``, ``Replicate()``, ``Partial()``.
+
+A ``Placements`` is one placement per mesh dim. Text form (plan files, reports, CLI):
+``"S(0)"``, ``"R"``, ``"P"`` (a pending sum), ``"P(avg)"`` and friends for other reductions.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from shardwise.errors import UserError
+
+Placements = tuple[Placement, ...]
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        op = getattr(p, "reduce_op", "sum")
+        return "P" if op == "sum" else f"P({op})"
+    raise ValueError(f"placement {p!r} has no text form")
+
+
+def placements_str(ps: Placements) -> list[str]:
+    return [placement_str(p) for p in ps]
+
+
+def parse_placement(text: str) -> Placement:
+    text = text.strip()
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial()
+    m = re.fullmatch(r"S\((-?\d+)\)", text)
+    if m:
+        return Shard(int(m.group(1)))
+    m = re.fullmatch(r"P\((\w+)\)", text)
+    if m:
+        return Partial(m.group(1))
+    raise UserError(f"placement {text!r} is not one of S(d), R, P.")
+
+
+def parse_placements(items: list[str]) -> Placements:
+    return tuple(parse_placement(x) for x in items)
