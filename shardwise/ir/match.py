@@ -127,3 +127,93 @@ def erase_if_dead(nodes: Iterable[fx.Node]) -> None:
     for n in nodes:
         if not n.users and n.op == "call_function":
             n.graph.erase_node(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives: torch.ops._c10d_functional ops and their wait_tensor.
+# ---------------------------------------------------------------------------------------------
+
+import enum  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+
+class CollectiveKind(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+
+
+# c10d functional op -> kind, and the positional index of its group-size argument (None: derive
+# from the group name).
+C10D_KINDS: dict[object, CollectiveKind] = {
+    c10d.all_reduce.default: CollectiveKind.ALL_REDUCE,
+    c10d.all_gather_into_tensor.default: CollectiveKind.ALL_GATHER,
+    c10d.reduce_scatter_tensor.default: CollectiveKind.REDUCE_SCATTER,
+    c10d.all_to_all_single.default: CollectiveKind.ALL_TO_ALL,
+    c10d.broadcast.default: CollectiveKind.BROADCAST,
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One c10d functional collective: its op node, the ``wait_tensor`` that yields its value, and
+    the group it runs over."""
+
+    kind: CollectiveKind
+    op: fx.Node
+    wait: fx.Node | None
+    input: fx.Node
+    group_name: str
+    group_size: int | None
+    reduce_op: str | None = None
+
+    @property
+    def value(self) -> fx.Node:
+        """The node whose value is the collective's result (the wait when there is one)."""
+        return self.wait if self.wait is not None else self.op
+
+
+def is_wait(node: object) -> bool:
+    return is_op(node, c10d.wait_tensor.default)
+
+
+def group_size_of(op: fx.Node) -> int | None:
+    """World size of a collective's group, from its args or the registered group name."""
+    kind = C10D_KINDS[op.target]
+    if kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER):
+        return int(op.args[1]) if kind is CollectiveKind.ALL_GATHER else int(op.args[2])
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(op.args[-1]).size()
+    except Exception:  # the group is not registered in this process (a graph loaded elsewhere)
+        return None
+
+
+def collective(node: fx.Node) -> Collective | None:
+    """Recognise a c10d functional collective from its op node or its ``wait_tensor``."""
+    wait = None
+    if is_wait(node):
+        wait, node = node, arg_node(node)
+        if node is None:
+            return None
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in C10D_KINDS:
+        return None
+    if wait is None:
+        wait = next((u for u in node.users if is_wait(u)), None)
+    kind = C10D_KINDS[node.target]
+    inp = arg_node(node)
+    if inp is None:
+        return None
+    reduce_op = None
+    if kind is CollectiveKind.ALL_REDUCE:
+        reduce_op = node.args[1]
+    elif kind is CollectiveKind.REDUCE_SCATTER:
+        reduce_op = node.args[1]
+    return Collective(kind, node, wait, inp, str(node.args[-1]), group_size_of(node), reduce_op)
+
+
+def all_collectives(graph: fx.Graph) -> list[Collective]:
+    return [c for n in graph.nodes if (c := collective(n)) is not None and c.op is n]

@@ -1,0 +1,32 @@
+"""Graph passes. Each module exposes ``apply(gm, **options) -> int`` (the number of rewrites).
+
+``PASSES`` maps a pass's public name (as given to ``--passes``) to its module; modules are
+imported on first use so a CLI call pays only for the passes it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from torch import fx
+
+from shardwise.errors import UserError
+
+PASSES: dict[str, str] = {
+    "einsum": "shardwise.passes.einsum",
+    "norms": "shardwise.passes.norms",
+    "sequence_parallel": "shardwise.passes.sequence_parallel",
+    "collective_matmul": "shardwise.passes.collective_matmul",
+}
+
+
+def get_pass(name: str) -> Callable[..., int]:
+    if name not in PASSES:
+        raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
+    return importlib.import_module(PASSES[name]).apply
+
+
+def run_passes(gm: fx.GraphModule, names: list[str], **options) -> dict[str, int]:
+    """Run the named passes in order; returns rewrites per pass."""
+    return {name: get_pass(name)(gm, **options.get(name, {})) for name in names}
