@@ -1,0 +1,154 @@
+"""A sharding plan: the placement every node computes and the placements it reads its inputs in.
+
+``NodeSpec.output`` holds one ``Placements`` per tensor output of a node (one for most ops; one
+per element for tuple-returning ops such as attention); ``NodeSpec.inputs`` one per tensor
+argument, in ``tensor_args(node)`` order, or ``None`` where the plan does not constrain it.
+A consumer reading a producer's output in another placement implies a redistribution, which is
+where every collective of the plan comes from.
+
+Plans are saved as versioned JSON; a plan is tied to its model, its mesh and its graph (the
+graph fingerprint), and ``Plan.load`` + ``check_matches`` refuse one made for something else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten
+
+from shardwise.errors import UserError
+from shardwise.plan.placement import Placements, parse_placements, placements_str
+
+PLAN_FORMAT_VERSION = 1
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """The tensor-valued argument nodes of ``node`` in flattened (args, kwargs) order."""
+    flat, _ = tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    """A short hash of the graph's ops and shapes: a plan only applies to the graph it was made for."""
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        shp = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+        h.update(f"{n.op}|{n.target}|{shp};".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    output: tuple[Placements, ...]
+    inputs: tuple[Placements | None, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"output": [placements_str(p) for p in self.output],
+                "inputs": [None if p is None else placements_str(p) for p in self.inputs]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> NodeSpec:
+        return cls(tuple(parse_placements(p) for p in d["output"]),
+                   tuple(None if p is None else parse_placements(p) for p in d["inputs"]))
+
+
+@dataclass(frozen=True)
+class CollectiveCount:
+    count: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: CollectiveCount) -> CollectiveCount:
+        return CollectiveCount(self.count + other.count, self.bytes + other.bytes)
+
+
+@dataclass
+class Estimate:
+    """Predicted step: compute and communication time (seconds), memory per device (bytes)."""
+
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    memory_bytes: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+@dataclass
+class Plan:
+    name: str
+    model: str
+    mesh_shape: tuple[int, ...]
+    mesh_names: tuple[str, ...]
+    hardware: str
+    train: bool
+    fingerprint: str
+    nodes: dict[str, NodeSpec]
+    params: dict[str, Placements] = field(default_factory=dict)
+    estimate: Estimate = field(default_factory=Estimate)
+    collectives: dict[str, CollectiveCount] = field(default_factory=dict)
+    fallback_ops: list[str] = field(default_factory=list)
+    status: str = "fixed"
+    mip_gap: float = 0.0
+    info: dict = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        doc = {
+            "version": PLAN_FORMAT_VERSION,
+            "name": self.name, "model": self.model, "mesh_shape": list(self.mesh_shape),
+            "mesh_names": list(self.mesh_names), "hardware": self.hardware, "train": self.train,
+            "fingerprint": self.fingerprint,
+            "params": {k: placements_str(v) for k, v in self.params.items()},
+            "nodes": {k: v.to_json() for k, v in self.nodes.items()},
+            "estimate": asdict(self.estimate),
+            "collectives": {k: asdict(v) for k, v in self.collectives.items()},
+            "fallback_ops": self.fallback_ops, "status": self.status, "mip_gap": self.mip_gap,
+            "info": self.info,
+        }
+        Path(path).write_text(json.dumps(doc, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise UserError(f"plan file {str(path)!r} does not exist.") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"plan file {str(path)!r} cannot be read as JSON "
+                            f"({e.__class__.__name__}).") from None
+        if not isinstance(doc, dict) or doc.get("version") != PLAN_FORMAT_VERSION:
+            raise UserError(f"plan file {str(path)!r} is not a shardwise plan of format version "
+                            f"{PLAN_FORMAT_VERSION}.")
+        try:
+            return cls(
+                name=doc["name"], model=doc["model"], mesh_shape=tuple(doc["mesh_shape"]),
+                mesh_names=tuple(doc["mesh_names"]), hardware=doc["hardware"], train=doc["train"],
+                fingerprint=doc["fingerprint"],
+                nodes={k: NodeSpec.from_json(v) for k, v in doc["nodes"].items()},
+                params={k: parse_placements(v) for k, v in doc["params"].items()},
+                estimate=Estimate(**doc["estimate"]),
+                collectives={k: CollectiveCount(**v) for k, v in doc["collectives"].items()},
+                fallback_ops=list(doc["fallback_ops"]), status=doc["status"], mip_gap=doc["mip_gap"],
+                info=doc.get("info", {}),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"plan file {str(path)!r} is malformed ({e.__class__.__name__}: {e}).") from None
+
+    def check_matches(self, model: str, mesh_shape: tuple[int, ...], train: bool, fingerprint: str) -> None:
+        """Refuse a plan made for another model, mesh, mode or graph, saying which."""
+        if self.model != model:
+            raise UserError(f"the plan was made for model {self.model!r}, not {model!r}.")
+        if tuple(self.mesh_shape) != tuple(mesh_shape):
+            raise UserError(f"the plan was made for mesh {'x'.join(map(str, self.mesh_shape))}, "
+                            f"not {'x'.join(map(str, mesh_shape))}.")
+        if self.train != train:
+            raise UserError(f"the plan was made for {'training' if self.train else 'inference'}.")
+        if self.fingerprint != fingerprint:
+            raise UserError("the plan was made for a different graph of this model (other layers, batch, "
+                            "sequence or dtype); plan again with the same options.")
