@@ -217,3 +217,229 @@ def collective(node: fx.Node) -> Collective | None:
 
 def all_collectives(graph: fx.Graph) -> list[Collective]:
     return [c for n in graph.nodes if (c := collective(n)) is not None and c.op is n]
+
+
+# ---------------------------------------------------------------------------------------------
+# Collective values: an all_gather / reduce_scatter along any dim, in every form it takes.
+#
+# c10d only gathers and scatters along dim 0. Along dim d the graph holds a reassembly:
+#   all_gather on d:     y = wait(all_gather(x)); cat([chunk_0(y), ..., chunk_{W-1}(y)], dim=d)
+#   reduce_scatter on d: wait(reduce_scatter(cat([chunk_0(m, d), ..., chunk_{W-1}(m, d)], dim=0)))
+# where chunk_r is rank r's slice, written as slice/narrow, or split/split_with_sizes/chunk +
+# getitem (the form torch.distributed._functional_collectives emits). A reassembly counts only when
+# its pieces tile the dim exactly into W equal chunks in rank order; anything else is a different
+# value (e.g. the seed's two narrows at W=4 each span two ranks, so the cat is not a per-rank one).
+# ---------------------------------------------------------------------------------------------
+
+# slice.Tensor's default end (and what `x[a:]` records): "to the end of the dim".
+_SLICE_TO_END = 2**63 - 1
+_SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous range ``[start, start + length)`` of ``source`` along ``dim``; ``nodes`` are
+    the nodes that cut it (a slice, or a split and its getitems)."""
+
+    source: fx.Node
+    dim: int
+    start: int
+    length: int
+    nodes: tuple[fx.Node, ...]
+
+
+def _norm_dim(dim: int, rank: int) -> int | None:
+    return dim % rank if -rank <= dim < rank else None
+
+
+def _split_ranges(sizes: list[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for s in sizes:
+        out.append((start, s))
+        start += s
+    return out
+
+
+def piece_of(node: object) -> Piece | None:
+    """Recognise ``node`` as a contiguous range of another tensor along one dim (step 1)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if is_op(node, aten.slice.Tensor, aten.narrow.default):
+        src = arg_node(node)
+        shp = shape(src) if src is not None else None
+        if shp is None or not shp:
+            return None
+        args = list(node.args) + [None] * (5 - len(node.args))
+        dim = _norm_dim(int(node.kwargs.get("dim", args[1] if args[1] is not None else 0)), len(shp))
+        if dim is None:
+            return None
+        n = shp[dim]
+        if is_op(node, aten.narrow.default):
+            start, length = int(args[2]), int(args[3])
+            start = start + n if start < 0 else start
+        else:
+            start = node.kwargs.get("start", args[2])
+            end = node.kwargs.get("end", args[3])
+            step = node.kwargs.get("step", args[4] if args[4] is not None else 1)
+            if step != 1 or not all(isinstance(v, int | type(None)) for v in (start, end)):
+                return None
+            start = 0 if start is None else (start + n if start < 0 else start)
+            end = n if end is None or end >= _SLICE_TO_END else (end + n if end < 0 else end)
+            start, end = max(0, min(start, n)), max(0, min(end, n))
+            length = end - start
+        if length <= 0 or start + length > n:
+            return None
+        return Piece(src, dim, start, length, (node,))
+    if is_getitem(node):
+        split = arg_node(node)
+        if split is None or not is_op(split, *_SPLIT_OPS):
+            return None
+        src = arg_node(split)
+        shp = shape(src) if src is not None else None
+        if shp is None or not shp:
+            return None
+        dim = _norm_dim(int(split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)), len(shp))
+        if dim is None:
+            return None
+        n = shp[dim]
+        if is_op(split, aten.split_with_sizes.default):
+            sizes = [int(s) for s in split.args[1]]
+        else:
+            size = int(split.args[1])
+            if is_op(split, aten.chunk.default):  # chunk(n, c) cuts pieces of ceil(n / c)
+                size = -(-n // size)
+            sizes = [min(size, n - s) for s in range(0, n, size)] if size > 0 else []
+        ranges = _split_ranges(sizes)
+        i = node.args[1]
+        if sum(sizes) != n or not isinstance(i, int) or not 0 <= i < len(ranges):
+            return None
+        start, length = ranges[i]
+        # Every getitem of the split belongs to the cut (unused ones are left by tracing).
+        getitems = tuple(u for u in split.users if is_getitem(u))
+        return Piece(src, dim, start, length, (split, *getitems))
+    return None
+
+
+def tiles_in_rank_order(pieces: list[Piece], source: fx.Node, dim: int, world: int) -> bool:
+    """``pieces`` are exactly ``source`` cut along ``dim`` into ``world`` equal chunks, in rank order."""
+    shp = shape(source)
+    if shp is None or world < 1 or len(pieces) != world or shp[dim] % world:
+        return False
+    chunk = shp[dim] // world
+    return all(p.source is source and p.dim == dim and p.start == r * chunk and p.length == chunk
+               for r, p in enumerate(pieces))
+
+
+def _cat_parts(node: fx.Node) -> tuple[list[object], int] | None:
+    """``cat``'s tensor list and its normalised dim."""
+    if not is_op(node, aten.cat.default):
+        return None
+    tensors = list(node.args[0])
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    shp = shape(node)
+    if shp is None or not shp:
+        return None
+    d = _norm_dim(int(dim), len(shp))
+    return (tensors, d) if d is not None else None
+
+
+def _unique(nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:
+    return tuple(dict.fromkeys(nodes))
+
+
+@dataclass(frozen=True)
+class GatherMatch:
+    """``value_node`` holds ``all_gather(collective.input)`` along ``dim``; ``nodes`` are every node
+    that computes it (the collective, its wait, the reassembly), ``value_node`` last."""
+
+    dim: int
+    collective: Collective
+    value_node: fx.Node
+    nodes: tuple[fx.Node, ...]
+
+    @property
+    def input(self) -> fx.Node:
+        return self.collective.input
+
+    @property
+    def group_size(self) -> int | None:
+        return self.collective.group_size
+
+
+@dataclass(frozen=True)
+class ScatterMatch:
+    """``value_node`` holds ``reduce_scatter(input_value)`` along ``dim`` with ``reduce_op``;
+    ``nodes`` are every node between (the reassembly, the collective, its wait)."""
+
+    dim: int
+    collective: Collective
+    input_value: fx.Node
+    value_node: fx.Node
+    reduce_op: str
+    nodes: tuple[fx.Node, ...]
+
+    @property
+    def group_size(self) -> int | None:
+        return self.collective.group_size
+
+
+def gathered_value(node: fx.Node) -> GatherMatch | None:
+    """Recognise ``node`` as an all_gather along some dim: an all_gather's ``wait_tensor`` (dim 0),
+    or a ``cat`` on dim d of that wait's per-rank chunks, in rank order (dim d)."""
+    if is_wait(node):
+        c = collective(node)
+        if c is None or c.kind is not CollectiveKind.ALL_GATHER:
+            return None
+        return GatherMatch(0, c, node, (c.op, node))
+    parts = _cat_parts(node)
+    if parts is None:
+        return None
+    tensors, cat_dim = parts
+    pieces = [piece_of(t) for t in tensors]
+    if not pieces or any(p is None for p in pieces):
+        return None
+    src = pieces[0].source
+    c = collective(src) if is_wait(src) else None
+    if c is None or c.kind is not CollectiveKind.ALL_GATHER or c.wait is not src or c.group_size is None:
+        return None
+    if not tiles_in_rank_order(pieces, src, 0, c.group_size):
+        return None
+    cut = [n for p in pieces for n in p.nodes]
+    return GatherMatch(cat_dim, c, node, _unique([c.op, src, *cut, node]))
+
+
+def scattered_value(node: fx.Node) -> ScatterMatch | None:
+    """Recognise a reduce_scatter (its op or its wait) along some dim: dim 0 of its input, or dim d
+    of ``m`` when its input is a dim-0 ``cat`` of ``m``'s per-rank chunks along d, in rank order."""
+    c = collective(node)
+    if c is None or c.kind is not CollectiveKind.REDUCE_SCATTER or c.wait is None:
+        return None
+    z = c.input
+    parts = _cat_parts(z)
+    if parts is not None and parts[1] == 0 and c.group_size is not None:
+        pieces = [piece_of(t) for t in parts[0]]
+        if pieces and all(p is not None for p in pieces):
+            src, dim = pieces[0].source, pieces[0].dim
+            if tiles_in_rank_order(pieces, src, dim, c.group_size):
+                cut = [n for p in pieces for n in p.nodes]
+                return ScatterMatch(dim, c, src, c.wait, str(c.reduce_op),
+                                    _unique([*cut, z, c.op, c.wait]))
+    return ScatterMatch(0, c, z, c.wait, str(c.reduce_op), (c.op, c.wait))
+
+
+def gathered_values(graph: fx.Graph) -> list[GatherMatch]:
+    """Every all_gather value in the graph, along every dim it is reassembled to (graph order)."""
+    return [m for n in graph.nodes if (is_wait(n) or is_op(n, aten.cat.default))
+            and (m := gathered_value(n)) is not None]
+
+
+def scattered_values(graph: fx.Graph) -> list[ScatterMatch]:
+    """Every reduce_scatter in the graph, with the dim and value it scatters (graph order)."""
+    return [m for c in all_collectives(graph) if (m := scattered_value(c.op)) is not None]
+
+
+def only_used_within(nodes: Iterable[fx.Node], exit: fx.Node | None = None) -> bool:
+    """Every node in ``nodes`` except ``exit`` has users only inside ``nodes`` (so erasing the set
+    after replacing ``exit`` loses no value anyone else reads)."""
+    inside = set(nodes)
+    return all(u in inside for n in inside if n is not exit for u in n.users)
