@@ -10,12 +10,18 @@ ops that only reinterpret metadata (views) move no bytes.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 aten = torch.ops.aten
 
@@ -99,11 +105,12 @@ def node_flops(node: fx.Node) -> int:
 
 def node_cost(node: fx.Node) -> NodeCost:
     """FLOPs and bytes of a node on the shapes in its fake values."""
-    if node.op != "call_function" or is_view(node) or node.target is getattr(__import__("operator"), "getitem"):
+    if node.op != "call_function" or is_view(node) or node.target is operator.getitem:
         return NodeCost(0, 0, 0)
     reads = sum(tensor_bytes(v) for v in tree_flatten(tree_map(_val, (node.args, node.kwargs)))[0]
                 if isinstance(v, torch.Tensor))
-    writes = sum(tensor_bytes(v) for v in tree_flatten(node.meta.get("val"))[0] if isinstance(v, torch.Tensor))
+    writes = sum(tensor_bytes(v) for v in tree_flatten(node.meta.get("val"))[0]
+                 if isinstance(v, torch.Tensor))
     return NodeCost(node_flops(node), reads, writes)
 
 

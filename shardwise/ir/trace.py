@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.errors import UserError
 from shardwise.ir.meta import fake_value

@@ -63,5 +63,6 @@ def build_hf(cfg, dtype: torch.dtype) -> nn.Module:
     try:
         model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
     except ValueError as e:
-        raise UserError(f"transformers cannot build a causal LM from this config: {e}".split("\n")[0]) from None
+        first_line = str(e).split("\n")[0]
+        raise UserError(f"transformers cannot build a causal LM from this config: {first_line}") from None
     return HFCausalLM(model)
