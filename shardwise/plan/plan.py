@@ -91,6 +91,8 @@ class Plan:
     fingerprint: str
     nodes: dict[str, NodeSpec]
     params: dict[str, Placements] = field(default_factory=dict)
+    # The placement each graph output is delivered in (gradients: their parameter's; loss: R).
+    outputs: list[Placements] = field(default_factory=list)
     estimate: Estimate = field(default_factory=Estimate)
     collectives: dict[str, CollectiveCount] = field(default_factory=dict)
     fallback_ops: list[str] = field(default_factory=list)
@@ -106,6 +108,7 @@ class Plan:
             "fingerprint": self.fingerprint,
             "params": {k: placements_str(v) for k, v in self.params.items()},
             "nodes": {k: v.to_json() for k, v in self.nodes.items()},
+            "outputs": [placements_str(p) for p in self.outputs],
             "estimate": asdict(self.estimate),
             "collectives": {k: asdict(v) for k, v in self.collectives.items()},
             "fallback_ops": self.fallback_ops, "status": self.status, "mip_gap": self.mip_gap,
@@ -132,6 +135,7 @@ class Plan:
                 fingerprint=doc["fingerprint"],
                 nodes={k: NodeSpec.from_json(v) for k, v in doc["nodes"].items()},
                 params={k: parse_placements(v) for k, v in doc["params"].items()},
+                outputs=[parse_placements(p) for p in doc["outputs"]],
                 estimate=Estimate(**doc["estimate"]),
                 collectives={k: CollectiveCount(**v) for k, v in doc["collectives"].items()},
                 fallback_ops=list(doc["fallback_ops"]), status=doc["status"], mip_gap=doc["mip_gap"],

@@ -1,0 +1,80 @@
+"""What a strategy costs: compute on local shapes, redistribution along edges, bytes per device.
+
+The planner's view of the cost model (``shardwise.cost``): every figure is per device, on the
+local (sharded) shape a placement gives. Results are cached: identical layers ask the same
+questions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import fx
+from torch.distributed.tensor import Partial, Shard
+
+from shardwise.cost.compute import roofline_time
+from shardwise.cost.hardware import Hardware
+from shardwise.cost.reshard import ReshardCost, reshard_cost
+from shardwise.cost.topology import MeshTopology
+from shardwise.ir.flops import NodeCost, is_view, node_cost
+from shardwise.plan.placement import Placements
+from shardwise.plan.plan import tensor_args
+from shardwise.plan.strategies import Strategy, flat_tensor_vals
+
+
+def shard_factor(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """How many pieces a tensor is cut into (product of the mesh dims that shard it)."""
+    return math.prod(m for p, m in zip(placements, mesh_shape, strict=True) if isinstance(p, Shard))
+
+
+def work_factor(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """How many ways an op's work is split: mesh dims where its output is sharded or partial."""
+    return math.prod(m for p, m in zip(placements, mesh_shape, strict=True) if isinstance(p, (Shard, Partial)))
+
+
+def local_bytes(t: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...]) -> int:
+    return t.numel() * t.element_size() // shard_factor(placements, mesh_shape)
+
+
+@dataclass
+class PlannerCosts:
+    """Costs for one mesh on one hardware spec."""
+
+    mesh_shape: tuple[int, ...]
+    hw: Hardware
+
+    def __post_init__(self) -> None:
+        self.topology = MeshTopology(self.mesh_shape, self.hw)
+        self._node_cache: dict[tuple, float] = {}
+        self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
+
+    def compute_time(self, node: fx.Node, s: Strategy) -> float:
+        """Roofline time of ``node`` run with strategy ``s`` on local shapes."""
+        if node.op != "call_function" or is_view(node):
+            return 0.0
+        outs = flat_tensor_vals(node)
+        if not outs:
+            return 0.0
+        key = (node.target, tuple(tuple(v.shape) for v in outs), s,
+               tuple(tuple(a.meta["val"].shape) for a in tensor_args(node)))
+        hit = self._node_cache.get(key)
+        if hit is not None:
+            return hit
+        glob = node_cost(node)
+        div = work_factor(s.output[0], self.mesh_shape)
+        reads = sum(local_bytes(a.meta["val"], p, self.mesh_shape)
+                    for a, p in zip(tensor_args(node), s.inputs, strict=False))
+        writes = sum(local_bytes(v, p, self.mesh_shape) for v, p in zip(outs, s.output, strict=False))
+        t = roofline_time(NodeCost(glob.flops // div, reads, writes), self.hw, outs[0].dtype)
+        self._node_cache[key] = t
+        return t
+
+    def reshard(self, src: Placements, dst: Placements, val: torch.Tensor) -> ReshardCost:
+        return self._reshard(src, dst, tuple(val.shape), val.element_size())
+
+    def _reshard_uncached(self, src: Placements, dst: Placements, shape: tuple[int, ...],
+                          itemsize: int) -> ReshardCost:
+        return reshard_cost(src, dst, shape, itemsize, self.topology)

@@ -1,0 +1,278 @@
+r"""The placement ILP, solved exactly with HiGHS.
+
+Variables
+  x[r,s] in {0,1}   representative node r runs strategy s            (one-hot: sum_s x[r,s] = 1)
+  e[k,p,q] in [0,1] edge k pays the redistribution p -> q            (continuous; exact, see below)
+
+Let y[u,p] = sum_{s: out(s)=p} x[u,s] (producer u yields placement p) and
+    z[k,q] = sum_{s: in_j(s)=q} x[v,s] (edge k = (u -> v, argument j) needs placement q).
+
+Edge rows, for every q the consumer may need:
+  z[k,q] <= y[u,q] + sum_{p: c(p,q)=0} y[u,p] + sum_{p: 0<c(p,q)<inf} e[k,p,q]
+and for every p:  sum_q e[k,p,q] <= y[u,p].
+At integral x exactly one y and one z are 1, so the cheapest feasible e is 1 on the single pair
+(p, q) actually used and 0 elsewhere: the LP part is exact, no product variables needed. Pairs
+with infinite cost have no e, so the rows forbid them.
+
+Objective (seconds per step)
+  sum_r copies(r) sum_s t_compute(r,s) x[r,s] + sum_k weight(k) sum_{p,q} c(p,q) e[k,p,q]
+where copies/weight count the graph nodes/edges a clustered representative stands for.
+
+Sinks: a parameter's gradient is an edge into the parameter's own placement (that edge is the
+gradient synchronisation: all_reduce for DDP, reduce_scatter for FSDP); the loss is an edge into
+Replicate.
+
+Memory per device (training), <= budget:
+  sum_params copies * sum_s x * local_numel(s) * (param + grad + optimizer-state bytes)
+  + sum_{forward nodes read by backward} copies * sum_s x * local_bytes(out(s))
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+import torch
+from torch import fx
+from torch.distributed.tensor import Replicate
+
+from shardwise.ir.flops import is_view
+from shardwise.ir.trace import Phase, Traced
+from shardwise.plan.cluster import Clustering
+from shardwise.plan.costs import PlannerCosts, local_bytes
+from shardwise.plan.placement import Placements
+from shardwise.plan.plan import tensor_args
+from shardwise.plan.strategies import NodeStrategies, Strategy
+
+GRAD_SINK = -1  # argument index of a gradient -> parameter-placement edge
+LOSS_SINK = -2  # argument index of the loss -> Replicate edge
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes a parameter element costs beyond itself and its gradient (Adam: two fp32 moments)."""
+
+    optimizer_state_bytes: int = 8
+    include_activations: bool = True
+
+
+@dataclass
+class IlpResult:
+    status: str  # "optimal" | "feasible" | "infeasible"
+    objective_s: float
+    mip_gap: float
+    choice: dict[fx.Node, int]  # representative -> strategy index
+    n_vars: int
+    n_rows: int
+    build_s: float
+    solve_s: float
+    min_memory_bytes: int | None = None
+
+
+@dataclass
+class _Model:
+    cost: list[float] = field(default_factory=list)
+    lb: list[float] = field(default_factory=list)
+    ub: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    row_lb: list[float] = field(default_factory=list)
+    row_ub: list[float] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+    value: list[float] = field(default_factory=list)
+
+    def var(self, cost: float, ub: float = 1.0, integer: bool = True, lb: float = 0.0) -> int:
+        self.cost.append(cost)
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, lo: float, hi: float, terms: dict[int, float]) -> None:
+        self.row_lb.append(lo)
+        self.row_ub.append(hi)
+        self.starts.append(len(self.index))
+        self.index.extend(terms.keys())
+        self.value.extend(terms.values())
+
+
+def _supply(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[int]], clus: Clustering,
+            node: fx.Node) -> dict[Placements, list[int]]:
+    """y[u, p]: the x variables that make ``node`` (through its representative) yield p."""
+    r = clus.rep[node]
+    st = ns[r]
+    if st.alias_of is not None:
+        parent, idx = st.alias_of
+        pr = clus.rep[parent]
+        out: dict[Placements, list[int]] = defaultdict(list)
+        for i, s in enumerate(ns[pr].strategies):
+            out[s.output[idx]].append(xs[pr][i])
+        return out
+    out = defaultdict(list)
+    for i, s in enumerate(st.strategies):
+        out[s.output[0]].append(xs[r][i])
+    return out
+
+
+def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
+          *, memory_budget: float | None = None, memory: MemoryModel | None = None,
+          time_limit_s: float = 60.0) -> IlpResult:
+    t0 = time.perf_counter()
+    memory = memory or MemoryModel()
+    m = _Model()
+    copies = clus.copies()
+    reps = [r for r in clus.representatives if r in ns]
+    xs: dict[fx.Node, list[int]] = {}
+    for r in reps:
+        st = ns[r]
+        if st.alias_of is not None:
+            continue
+        n = copies[r]
+        xs[r] = [m.var(n * costs.compute_time(r, s)) for s in st.strategies]
+        m.row(1.0, 1.0, {v: 1.0 for v in xs[r]})
+
+    # Edges, keyed on representatives and weighted by how many graph edges they stand for.
+    weight: dict[tuple[fx.Node, fx.Node, int], int] = defaultdict(int)
+    example: dict[tuple[fx.Node, fx.Node, int], fx.Node] = {}
+    for v in traced.gm.graph.nodes:
+        if v.op != "call_function" or ns[clus.rep[v]].alias_of is not None:
+            continue
+        for j, u in enumerate(tensor_args(v)):
+            k = (clus.rep[u], clus.rep[v], j)
+            weight[k] += 1
+            example[k] = u
+    for pname, gname in traced.grads.items():
+        g, ph = traced.node(gname), traced.node(traced.params[pname])
+        k = (clus.rep[g], clus.rep[ph], GRAD_SINK)
+        weight[k] += 1
+        example[k] = g
+    if traced.loss is not None:
+        loss = traced.node(traced.loss)
+        k = (clus.rep[loss], clus.rep[loss], LOSS_SINK)
+        weight[k] = 1
+        example[k] = loss
+
+    one = m.var(0.0, lb=1.0, integer=False)  # the constant 1
+    for (u, v, j), w in weight.items():
+        val = example[(u, v, j)].meta["val"]
+        supply = _supply(ns, xs, clus, u)
+        if j == LOSS_SINK:
+            demand = {(Replicate(),) * len(costs.mesh_shape): [one]}
+        elif j == GRAD_SINK:
+            demand = _supply(ns, xs, clus, v)
+        else:
+            demand = defaultdict(list)
+            for i, s in enumerate(ns[v].strategies):
+                demand[s.inputs[j]].append(xs[v][i])
+        if len(supply) == 1 and list(supply) == list(demand):
+            continue  # one placement on both ends: nothing to decide, nothing to pay
+        per_p: dict[Placements, dict[int, float]] = defaultdict(dict)
+        for q, zvars in demand.items():
+            terms: dict[int, float] = {z: 1.0 for z in zvars}
+            for p, yvars in supply.items():
+                if p == q:
+                    c = 0.0
+                else:
+                    c = costs.reshard(p, q, val).time_s
+                if c == 0.0:
+                    for y in yvars:
+                        terms[y] = terms.get(y, 0.0) - 1.0
+                elif math.isfinite(c):
+                    e = m.var(w * c, integer=False)
+                    terms[e] = -1.0
+                    per_p[p][e] = 1.0
+            m.row(-math.inf, 0.0, terms)
+        for p, eterms in per_p.items():
+            row = dict(eterms)
+            for y in supply[p]:
+                row[y] = row.get(y, 0.0) - 1.0
+            m.row(-math.inf, 0.0, row)
+
+    min_mem = None
+    if memory_budget is not None and traced.train:
+        mem_terms, min_mem = _memory_terms(traced, ns, xs, clus, costs, memory)
+        m.row(-math.inf, float(memory_budget), mem_terms)
+
+    build_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("mip_rel_gap", 1e-9)
+    h.setOptionValue("threads", 1)
+    lp = highspy.HighsLp()
+    nv, nr = len(m.cost), len(m.row_lb)
+    lp.num_col_ = nv
+    lp.num_row_ = nr
+    lp.col_cost_ = np.array(m.cost, dtype=np.float64)
+    lp.col_lower_ = np.array(m.lb, dtype=np.float64)
+    lp.col_upper_ = np.array(m.ub, dtype=np.float64)
+    lp.row_lower_ = np.array(m.row_lb, dtype=np.float64)
+    lp.row_upper_ = np.array(m.row_ub, dtype=np.float64)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(m.starts + [len(m.index)], dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(m.index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(m.value, dtype=np.float64)
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                       for i in m.integer]
+    h.passModel(lp)
+    h.run()
+    solve_s = time.perf_counter() - t1
+    status = h.getModelStatus()
+    info = h.getInfo()
+    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    if status == highspy.HighsModelStatus.kOptimal:
+        label = "optimal"
+    elif has_solution:
+        label = "feasible"
+    else:
+        return IlpResult("infeasible", math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem)
+    sol = np.asarray(h.getSolution().col_value)
+    choice = {r: int(np.argmax(sol[v])) for r, v in xs.items()}
+    return IlpResult(label, float(info.objective_function_value), float(info.mip_gap), choice, nv, nr,
+                     build_s, solve_s, min_mem)
+
+
+def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[int]],
+                  clus: Clustering, costs: PlannerCosts, memory: MemoryModel) -> tuple[dict[int, float], int]:
+    """Memory-row coefficients, and the smallest value the row can take (the fully-sharded floor)."""
+    terms: dict[int, float] = defaultdict(float)
+    floor = 0
+    ph_params = set(traced.params.values())
+
+    def add(node: fx.Node, per_byte: float) -> None:
+        nonlocal floor
+        r = clus.rep[node]
+        if r not in xs:
+            return
+        val = node.meta["val"]
+        sizes = [local_bytes(val, s.output[0], costs.mesh_shape) * per_byte for s in ns[r].strategies]
+        for v, b in zip(xs[r], sizes, strict=True):
+            terms[v] += b
+        floor += min(sizes)
+
+    for n in traced.gm.graph.nodes:
+        if n.op == "placeholder" and n.name in ph_params:
+            v = n.meta["val"]
+            add(n, 2.0 + memory.optimizer_state_bytes / v.element_size())
+        elif (memory.include_activations and n.op == "call_function" and not is_view(n)
+              and traced.phase(n) is Phase.FORWARD and isinstance(n.meta.get("val"), torch.Tensor)
+              and any(traced.phase(u) is Phase.BACKWARD for u in n.users)):
+            add(n, 1.0)
+    return dict(terms), int(floor)
+
+
+def chosen_strategy(ns: dict[fx.Node, NodeStrategies], clus: Clustering, choice: dict[fx.Node, int],
+                    node: fx.Node) -> Strategy:
+    """The strategy ``node`` runs (its representative's), resolving getitem aliases."""
+    r = clus.rep[node]
+    st = ns[r]
+    if st.alias_of is not None:
+        parent, idx = st.alias_of
+        ps = chosen_strategy(ns, clus, choice, parent)
+        return Strategy((ps.output[idx],), ())
+    return st.strategies[choice[r]]

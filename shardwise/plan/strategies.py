@@ -1,0 +1,306 @@
+"""Candidate placements for every node, from DTensor's sharding propagation.
+
+For each call_function node we hand DTensor's strategy function an ``OpSchema`` whose tensor
+arguments are ``OpStrategy`` objects listing every placement their producer may take, and keep
+the ``OpSpec`` list it returns: (output placements, input placements) pairs. Placeholders get
+every combination of ``Shard(d)`` / ``Replicate()`` per mesh dim. Shards that do not divide
+evenly are dropped everywhere (DTensor supports them, but they make local shapes rank-dependent
+and the cost model approximate). Ops DTensor has no rule for get our own rules (``RULES``) or,
+failing that, the replicated fallback, and are listed so the plan can report them.
+
+``getitem`` nodes take no decision of their own: they read element ``i`` of their parent's
+chosen output (``NodeStrategies.alias_of``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.utils._pytree import tree_flatten, tree_map
+
+from shardwise.plan.placement import Placements
+from shardwise.plan.plan import tensor_args
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node: its output placements (one per tensor output) and the placements it
+    needs each tensor argument in (``tensor_args`` order)."""
+
+    output: tuple[Placements, ...]
+    inputs: tuple[Placements, ...]
+
+
+@dataclass
+class NodeStrategies:
+    node: fx.Node
+    strategies: list[Strategy] = field(default_factory=list)
+    alias_of: tuple[fx.Node, int] | None = None  # getitem: (parent, output index)
+    fallback: bool = False
+
+    def output_choices(self, index: int = 0) -> list[Placements]:
+        """Distinct placements output ``index`` may take, in first-seen order."""
+        return list(dict.fromkeys(s.output[index] for s in self.strategies))
+
+
+def _tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def divides_evenly(placements: Placements, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """Every Shard(d) splits dim d into equal pieces (counting earlier mesh dims sharding d too)."""
+    sizes = list(shape)
+    for p, m in zip(placements, mesh_shape, strict=True):
+        if isinstance(p, Shard):
+            d = p.dim % len(sizes) if sizes else 0
+            if not sizes or sizes[d] % m:
+                return False
+            sizes[d] //= m
+    return True
+
+
+def placeholder_choices(t: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Placements]:
+    """Every Shard/Replicate combination over the mesh that divides ``t`` evenly."""
+    per_dim = [Replicate()] + [Shard(d) for d in range(t.dim())]
+    return [ps for ps in itertools.product(per_dim, repeat=len(mesh_shape))
+            if divides_evenly(ps, tuple(t.shape), mesh_shape)]
+
+
+def _valid(s: Strategy, out_shapes: list[tuple[int, ...] | None], in_shapes: list[tuple[int, ...]],
+           mesh_shape: tuple[int, ...]) -> bool:
+    for ps, shp in zip(s.output, out_shapes, strict=False):
+        if shp is not None and not divides_evenly(ps, shp, mesh_shape):
+            return False
+    for ps, shp in zip(s.inputs, in_shapes, strict=False):
+        if not divides_evenly(ps, shp, mesh_shape):
+            return False
+    return True
+
+
+def _placements_of(spec) -> Placements | None:
+    return tuple(spec.placements) if isinstance(spec, DTensorSpec) else None
+
+
+# Our own rules, for ops DTensor has none for: op -> function(node, input choices, mesh) -> strategies.
+RuleFn = Callable[[fx.Node, list[list[Placements]], DeviceMesh], list[Strategy]]
+RULES: dict[object, RuleFn] = {}
+
+
+def register_rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
+    def deco(fn: RuleFn) -> RuleFn:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+    return deco
+
+
+@register_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _sdpa_cpu(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
+    """CPU flash attention: (out, logsumexp) over q, k, v of [B, H, S, D]; batch and heads shard
+    (the same rule DTensor uses for the CUDA kernels); everything replicated is always valid."""
+    per_dim = [
+        ((Replicate(), Replicate()), (Replicate(),) * 3),
+        ((Shard(0), Shard(0)), (Shard(0),) * 3),
+        ((Shard(1), Shard(1)), (Shard(1),) * 3),
+    ]
+    return _combine_per_mesh_dim(per_dim, mesh.ndim)
+
+
+@register_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _sdpa_cpu_bwd(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
+    """Backward of the CPU flash attention: (dq, dk, dv) from (dout, q, k, v, out, logsumexp)."""
+    per_dim = [
+        ((Replicate(),) * 3, (Replicate(),) * 6),
+        ((Shard(0),) * 3, (Shard(0),) * 6),
+        ((Shard(1),) * 3, (Shard(1),) * 6),
+    ]
+    return _combine_per_mesh_dim(per_dim, mesh.ndim)
+
+
+def _combine_per_mesh_dim(per_dim, ndim: int) -> list[Strategy]:
+    """Cartesian product of single-mesh-dim (outputs, inputs) rules over ``ndim`` mesh dims."""
+    out = []
+    for combo in itertools.product(per_dim, repeat=ndim):
+        n_out, n_in = len(combo[0][0]), len(combo[0][1])
+        out.append(Strategy(
+            tuple(tuple(c[0][i] for c in combo) for i in range(n_out)),
+            tuple(tuple(c[1][i] for c in combo) for i in range(n_in)),
+        ))
+    return out
+
+
+def _replicated(node: fx.Node, mesh_ndim: int) -> Strategy:
+    rep = (Replicate(),) * mesh_ndim
+    n_out = max(1, len(_out_vals(node)))
+    return Strategy((rep,) * n_out, (rep,) * len(tensor_args(node)))
+
+
+def _out_vals(node: fx.Node) -> list[torch.Tensor | None]:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return [x if isinstance(x, torch.Tensor) else None for x in v]
+    return []
+
+
+def _dtensor_strategies(node: fx.Node, arg_choices: dict[fx.Node, list[Placements]],
+                        mesh: DeviceMesh) -> list[Strategy] | None:
+    """Ask DTensor's propagator for the op's strategies; None when it has no rule."""
+    from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    op = node.target
+    single = prop.op_single_dim_strategy_funcs.get(op)
+    func = prop.op_strategy_funcs.get(op)
+    if single is None and func is None:
+        return None
+
+    def to_strategy(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                tm = _tensor_meta(v)
+                return OpStrategy([OpSpec(DTensorSpec(mesh, p, tensor_meta=tm)) for p in arg_choices[a]])
+            return v
+        return a
+
+    args = tree_map(to_strategy, node.args, is_leaf=lambda x: isinstance(x, fx.Node))
+    kwargs = tree_map(to_strategy, node.kwargs, is_leaf=lambda x: isinstance(x, fx.Node))
+    args = tuple(TupleStrategy(tuple(a)) if isinstance(a, list) and a and all(isinstance(x, OpStrategy) for x in a)
+                 else a for a in args)
+    schema = OpSchema(op, args, kwargs, schema_info=prop.op_to_schema_info.get(op)
+                      or prop.op_to_schema_info_for_single_dim_strategy.get(op))
+    if single is not None:
+        return _single_dim_strategies(node, schema, single, mesh)
+    result = func(schema)
+    if isinstance(result, TupleStrategy):
+        return None  # ops returning per-output strategy lists (rare in our graphs): not handled
+    n_in = len(tensor_args(node))
+    strategies = []
+    for spec in result.strategies:
+        outs = spec.output_specs
+        out_ps = (tuple(_placements_of(o) or (Replicate(),) * mesh.ndim for o in outs)
+                  if isinstance(outs, (tuple, list)) else (_placements_of(outs),))
+        if spec.input_specs is None:
+            ins = (out_ps[0],) * n_in
+        else:
+            ins = tuple(_placements_of(s) for s in spec.input_specs)
+        if len(ins) != n_in or any(p is None for p in ins) or any(p is None for p in out_ps):
+            continue
+        strategies.append(Strategy(out_ps, ins))
+    return strategies
+
+
+def _single_dim_strategies(node: fx.Node, schema: OpSchema, info, mesh: DeviceMesh) -> list[Strategy]:
+    """Ops with a single-mesh-dim rule: expand its per-dim (outputs, inputs) rows over the mesh.
+
+    DTensor's own expansion needs concrete input placements; we want every combination, so we
+    materialise the rows once (placeholders filled with plain ``Shard``) and take their product.
+    """
+    from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
+
+    def one_spec(s):
+        if isinstance(s, OpStrategy):
+            sp = s.strategies[0].output_spec
+            return OpStrategy([OpSpec(DTensorSpec(mesh, (Shard(0),) * mesh.ndim, tensor_meta=sp.tensor_meta))])
+        if isinstance(s, TupleStrategy):
+            return TupleStrategy(tuple(one_spec(c) for c in s.children))
+        return s
+
+    probe = OpSchema(schema.op, tuple(one_spec(a) for a in schema.args_schema),
+                     {k: one_spec(v) for k, v in schema.kwargs_schema.items()}, schema_info=schema.schema_info)
+    vals = _out_vals(node)
+    out_meta = (_tensor_meta(vals[0]) if isinstance(node.meta.get("val"), torch.Tensor)
+                else [_tensor_meta(v) if v is not None else None for v in vals])
+    prepared = _PreparedSingleDimStrategy(info, probe, out_meta)
+    n_out = prepared.num_outputs
+    rows = [r for r in prepared.expanded_strategies if all(p is not None for p in r[n_out:])]
+    rep = Replicate()
+    out = []
+    for combo in itertools.product(rows, repeat=mesh.ndim):
+        outs = tuple(tuple(r[i] if r[i] is not None else rep for r in combo) for i in range(n_out))
+        ins = tuple(tuple(r[n_out + j] for r in combo) for j in range(len(rows[0]) - n_out))
+        out.append(Strategy(outs, ins))
+    return out
+
+
+def enumerate_strategies(gm: fx.GraphModule, mesh: DeviceMesh,
+                         placeholder_filter: Callable[[fx.Node, Placements], bool] | None = None,
+                         rep: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, NodeStrategies]:
+    """Strategies of every node in ``gm``; see the module docstring.
+
+    With ``rep`` (from clustering), only representatives are enumerated; other nodes reuse their
+    representative's choices.
+    """
+    mesh_shape = tuple(mesh.shape)
+    result: dict[fx.Node, NodeStrategies] = {}
+    choices: dict[fx.Node, list[Placements]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if rep is not None and rep.get(node, node) is not node:
+            if rep[node] in choices:
+                choices[node] = choices[rep[node]]
+            continue
+        ns = NodeStrategies(node)
+        result[node] = ns
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            opts = placeholder_choices(val, mesh_shape) if isinstance(val, torch.Tensor) else []
+            if placeholder_filter is not None:
+                opts = [p for p in opts if placeholder_filter(node, p)]
+            ns.strategies = [Strategy((p,), ()) for p in opts]
+        elif node.target is operator.getitem:
+            parent, idx = node.args
+            ns.alias_of = (parent, idx)
+            ns.strategies = [Strategy((s.output[idx],), ()) for s in result[parent].strategies]
+        elif node.op == "call_function":
+            ns.strategies = _node_strategies(node, choices, mesh, ns)
+        if isinstance(val, torch.Tensor):
+            choices[node] = ns.output_choices()
+    return result
+
+
+def _node_strategies(node: fx.Node, choices: dict[fx.Node, list[Placements]], mesh: DeviceMesh,
+                     ns: NodeStrategies) -> list[Strategy]:
+    mesh_shape = tuple(mesh.shape)
+    targs = tensor_args(node)
+    in_shapes = [tuple(a.meta["val"].shape) for a in targs]
+    out_shapes = [tuple(v.shape) if v is not None else None for v in _out_vals(node)]
+    found: list[Strategy] | None = None
+    if node.target in RULES:
+        found = RULES[node.target](node, [choices[a] for a in targs], mesh)
+    else:
+        try:
+            found = _dtensor_strategies(node, choices, mesh)
+        except Exception as e:  # DTensor's rule rejected these inputs: fall back, and say so
+            log.debug("no DTensor strategy for %s: %s", node.format_node(), e)
+            found = None
+    if found is not None:
+        found = [s for s in dict.fromkeys(found) if _valid(s, out_shapes, in_shapes, mesh_shape)]
+    if not found:
+        ns.fallback = bool(targs) or found is None
+        return [_replicated(node, len(mesh_shape))]
+    return found
+
+
+def partial_free(ps: Placements) -> bool:
+    return not any(isinstance(p, Partial) for p in ps)
+
+
+def flat_tensor_vals(node: fx.Node) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(node.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
