@@ -1,0 +1,192 @@
+"""Cost of turning one placement tuple into another over a mesh, step by step as DTensor does it.
+
+``reshard_cost(src, dst, global_shape, itemsize, topology)`` replays the plan of DTensor's
+``redistribute`` (``torch/distributed/tensor/_redistribute.py``: the greedy
+``generate_greedy_transform_infos``, the default for ``Shard``/``Replicate``/``Partial``) so the
+collectives predicted here are the ones the lowering will emit:
+
+1. On a 1-D mesh: one step, ``src[0] -> dst[0]``.
+2. Otherwise, when the source is sharded, walk the mesh dims from inner to outer: a target
+   ``Shard(d)`` whose tensor dim ``d`` is sharded by different outer mesh dims in ``src`` and
+   ``dst`` (misaligned nested sharding) is first replicated; every other change happens there.
+3. Then walk from outer to inner and finish the remaining changes.
+
+Each step on mesh dim ``i`` with ``n = mesh_shape[i] > 1`` ranks, on the LOCAL tensor of that
+moment (other dims' shards included):
+
+    Partial -> Replicate      all_reduce      bytes = local tensor
+    Shard   -> Replicate      all_gather      bytes = gathered output (local * n)
+    Partial -> Shard          reduce_scatter  bytes = local input
+    Shard(i) -> Shard(j)      all_to_all      bytes = local input (on CPU meshes DTensor falls back
+                                              to all_gather + chunk: bytes = local * n)
+    Replicate -> Shard        local slice, free
+    Replicate -> Partial      local (zeros on the other ranks), free
+    Shard -> Partial, Partial(a) -> Partial(b), mixed partials: impossible, ``math.inf``
+
+A tensor dim that does not divide evenly by its shards (at any step) is priced ``math.inf``: the
+planner keeps to even shards, and DTensor's padded collectives move more than the bytes above.
+Not modelled: DTensor merging consecutive same-kind steps into one collective over a flattened
+mesh, which it does only when the user has created that flattened mesh (``mesh._flatten``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from shardwise.cost.topology import MeshTopology
+from shardwise.ir.match import CollectiveKind
+
+Placements = tuple[Placement, ...]
+# Device types on which DTensor's Shard(i) -> Shard(j) is all_gather + chunk (gloo has no all_to_all).
+ALLGATHER_FOR_ALL_TO_ALL = frozenset({"cpu"})
+
+
+@dataclass(frozen=True)
+class CollectiveUse:
+    kind: CollectiveKind
+    mesh_dim: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ReshardCost:
+    time_s: float
+    collectives: tuple[CollectiveUse, ...] = ()
+
+    @property
+    def possible(self) -> bool:
+        return self.time_s != math.inf
+
+
+IMPOSSIBLE = ReshardCost(math.inf)
+FREE = ReshardCost(0.0)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One transform of DTensor's plan: ``mesh_dim`` goes from ``src`` to ``dst``."""
+
+    mesh_dim: int
+    src: Placement
+    dst: Placement
+
+
+def _is_shard(p: Placement, dim: int | None = None) -> bool:
+    return type(p) is Shard and (dim is None or p.dim == dim)
+
+
+def plan_steps(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> list[Step]:
+    """DTensor's greedy transform plan (``generate_greedy_transform_infos``), placements only."""
+    if len(mesh_shape) == 1:
+        return [Step(0, src[0], dst[0])] if src[0] != dst[0] else []
+    steps: list[Step] = []
+    current, target = list(src), list(dst)
+    num_shards = math.prod(n for p, n in zip(src, mesh_shape, strict=True) if _is_shard(p))
+    if num_shards > 1:
+        for i in reversed(range(len(current))):
+            want = target[i]
+            if _is_shard(want):
+                # nested sharding of the same tensor dim by outer mesh dims must agree
+                cur_outer = [j for j in range(i) if _is_shard(current[j], want.dim)]
+                tgt_outer = [j for j in range(i) if _is_shard(target[j], want.dim)]
+                if cur_outer != tgt_outer:
+                    want = Replicate()
+            if current[i] != want:
+                steps.append(Step(i, current[i], want))
+                current[i] = want
+    for i, (cur, want) in enumerate(zip(current, target, strict=True)):
+        if cur != want:
+            steps.append(Step(i, cur, want))
+            current[i] = want
+    return steps
+
+
+def _normalise(ps: Placements, ndim: int) -> Placements | None:
+    out = []
+    for p in ps:
+        if type(p) is Shard:
+            if not -ndim <= p.dim < ndim:
+                return None
+            out.append(Shard(p.dim % ndim))
+        elif isinstance(p, Replicate | Partial) and type(p) in (Replicate, Partial):
+            out.append(p)
+        else:  # _StridedShard and other placements: not priced
+            return None
+    return tuple(out)
+
+
+def _mixed_partials(ps: Placements) -> bool:
+    return len({p.reduce_op for p in ps if isinstance(p, Partial)}) > 1
+
+
+def local_shape(placements: Placements, global_shape: tuple[int, ...],
+                mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Per-rank shape under ``placements``; None when a shard does not divide evenly."""
+    shape = list(global_shape)
+    for p, n in zip(placements, mesh_shape, strict=True):
+        if _is_shard(p):
+            if shape[p.dim] % n:
+                return None
+            shape[p.dim] //= n
+    return tuple(shape)
+
+
+@functools.lru_cache(maxsize=1 << 20)
+def reshard_cost(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
+                 topology: MeshTopology) -> ReshardCost:
+    """Time and collectives of redistributing a tensor from ``src`` to ``dst`` placements."""
+    mesh = topology.mesh_shape
+    ndim = len(global_shape)
+    if len(src) != len(mesh) or len(dst) != len(mesh):
+        raise ValueError(f"placements {src} -> {dst} do not match the {len(mesh)}-dim mesh {mesh}")
+    s, d = _normalise(src, ndim), _normalise(dst, ndim)
+    if s is None or d is None or _mixed_partials(s) or _mixed_partials(d):
+        return IMPOSSIBLE
+    shape = local_shape(s, tuple(global_shape), mesh)
+    if shape is None or local_shape(d, tuple(global_shape), mesh) is None:
+        return IMPOSSIBLE
+    current = list(s)
+    uses: list[CollectiveUse] = []
+    time_s = 0.0
+    for step in plan_steps(s, d, mesh):
+        n = mesh[step.mesh_dim]
+        current[step.mesh_dim] = step.dst
+        new_shape = local_shape(tuple(current), tuple(global_shape), mesh)
+        if new_shape is None:
+            return IMPOSSIBLE
+        use = _step_collective(step, n, math.prod(shape) * itemsize, topology)
+        if use is IMPOSSIBLE:
+            return IMPOSSIBLE
+        shape = new_shape
+        if use is not None:
+            uses.append(use)
+            time_s += topology.collective_time(use.kind, use.bytes, use.mesh_dim)
+    return ReshardCost(time_s, tuple(uses))
+
+
+def _step_collective(step: Step, n: int, local_bytes: int, topology: MeshTopology):
+    """The collective one step runs (None: a local op or a size-1 mesh dim; IMPOSSIBLE)."""
+    a, b, dim = step.src, step.dst, step.mesh_dim
+    if n == 1:  # DTensor skips every step on a size-1 mesh dim, before looking at the placements
+        return None
+    if isinstance(b, Partial):
+        if isinstance(a, Replicate):
+            return None
+        return IMPOSSIBLE  # Shard -> Partial, or one reduction into another
+    if isinstance(b, Replicate):
+        if isinstance(a, Partial):
+            return CollectiveUse(CollectiveKind.ALL_REDUCE, dim, local_bytes)
+        return CollectiveUse(CollectiveKind.ALL_GATHER, dim, local_bytes * n)
+    # target is Shard
+    if isinstance(a, Partial):
+        return CollectiveUse(CollectiveKind.REDUCE_SCATTER, dim, local_bytes)
+    if isinstance(a, Replicate):
+        return None
+    if topology.hw.device_type in ALLGATHER_FOR_ALL_TO_ALL:
+        return CollectiveUse(CollectiveKind.ALL_GATHER, dim, local_bytes * n)
+    return CollectiveUse(CollectiveKind.ALL_TO_ALL, dim, local_bytes)
