@@ -5,3 +5,6 @@ implementation), ``register_fake`` (the meta implementation), and registers its 
 with ``torch.utils.flop_counter.register_flop_formula`` and its bytes in ``ir/flops.py`` terms.
 Importing this package registers every op.
 """
+
+# isort: split
+from shardwise.ir.ops import collective_matmul  # noqa: E402,F401  (all_gather_matmul, matmul_reduce_scatter)
