@@ -443,3 +443,101 @@ def only_used_within(nodes: Iterable[fx.Node], exit: fx.Node | None = None) -> b
     after replacing ``exit`` loses no value anyone else reads)."""
     inside = set(nodes)
     return all(u in inside for n in inside if n is not exit for u in n.users)
+
+
+# ---------------------------------------------------------------------------------------------
+# Value-preserving chains and the sequence dim (used by the sequence-parallel pass).
+# ---------------------------------------------------------------------------------------------
+
+# Ops that return their input's value unchanged (a copy or an alias): they may sit between a
+# producer and its consumer without changing what the consumer computes.
+MARKER_OPS = frozenset({aten.alias.default, aten.detach.default, aten.clone.default})
+# Row-major reshapes: any chain of them equals one reshape of the chain's source to its last shape.
+RESHAPE_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+
+
+def is_reshape_or_marker(node: object) -> bool:
+    """``node`` is a row-major reshape or a value-preserving marker (its value is its input's)."""
+    return is_op(node, *RESHAPE_OPS, *MARKER_OPS)
+
+
+def source_through_reshapes(node: fx.Node, *, single_user: bool = True) -> tuple[fx.Node, list[fx.Node]]:
+    """Walk up from ``node`` through reshapes and markers: ``(source, chain)``.
+
+    ``chain`` lists the walked nodes from ``node`` upward (the value of ``node`` is
+    ``reshape(source, shape(node))``). With ``single_user`` the walk stops at a node that has
+    other users too, so every node in the chain exists only to feed ``node``.
+    """
+    chain: list[fx.Node] = []
+    cur = node
+    while is_reshape_or_marker(cur) and (not single_user or len(cur.users) <= 1 or cur is node):
+        src = arg_node(cur)
+        if src is None:
+            break
+        chain.append(cur)
+        cur = src
+    return cur, chain
+
+
+def seq_dim(full_shape: tuple[int, ...] | None) -> int | None:
+    """The sequence (token) dim of an activation: 1 of ``[B, S, H]``, 0 of ``[S, H]`` / ``[B*S, H]``."""
+    if full_shape is None:
+        return None
+    return {3: 1, 2: 0}.get(len(full_shape))
+
+
+def token_layout(full_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape with leading size-1 dims dropped (keeping two): ``[1, S, H]`` and ``[S, H]``
+    split their tokens over ranks the same way along their sequence dims, ``[B, S, H]`` with
+    ``B > 1`` and ``[B*S, H]`` do not."""
+    dims = tuple(full_shape)
+    while len(dims) > 2 and dims[0] == 1:
+        dims = dims[1:]
+    return dims
+
+
+def seq_local_shape(full_shape: tuple[int, ...], parts: int) -> tuple[int, ...] | None:
+    """Shape of one rank's slice when ``full_shape`` is split ``parts`` ways along its sequence
+    dim; None when it has no sequence dim or the split is not even."""
+    d = seq_dim(full_shape)
+    if d is None or parts < 1 or full_shape[d] % parts:
+        return None
+    return (*full_shape[:d], full_shape[d] // parts, *full_shape[d + 1:])
+
+
+def infer_fake_val(node: fx.Node) -> None:
+    """Set ``node.meta['val']`` by running its target on its inputs' fake values."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    vals = [n.meta.get("val") for n in node.all_input_nodes]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(a):
+        if isinstance(a, fx.Node):
+            a = a.meta.get("val")
+        if isinstance(a, torch.Tensor) and not isinstance(a, torch._subclasses.fake_tensor.FakeTensor):
+            a = mode.from_tensor(a, static_shapes=True)
+        return a
+
+    args, kwargs = tree_map(fake, (node.args, node.kwargs), is_leaf=lambda a: isinstance(a, fx.Node))
+    with mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+def insert_call_after(prev: fx.Node, target: object, args: tuple, kwargs: dict | None = None,
+                      *, meta_from: fx.Node | None = None) -> fx.Node:
+    """A new ``call_function`` right after ``prev``, with its fake value computed and the kept meta
+    keys (``seq_nr``, stack, module stack) of ``meta_from``. Chain calls on the returned node to
+    build a sequence in order."""
+    from shardwise.ir.meta import KEPT_KEYS, VAL
+
+    with prev.graph.inserting_after(prev):
+        node = prev.graph.call_function(target, tuple(args), kwargs or {})
+    if meta_from is not None:
+        node.meta.update({k: meta_from.meta[k] for k in KEPT_KEYS if k != VAL and k in meta_from.meta})
+    infer_fake_val(node)
+    return node

@@ -8,3 +8,5 @@ Importing this package registers every op.
 
 # isort: split
 from shardwise.ir.ops import collective_matmul  # noqa: E402,F401  (all_gather_matmul, matmul_reduce_scatter)
+
+from shardwise.ir.ops import norms  # noqa: E402,F401  (shardwise::rms_norm, add_rms_norm, add_rms_norm2)
