@@ -10,3 +10,6 @@ Importing this package registers every op.
 from shardwise.ir.ops import collective_matmul  # noqa: E402,F401  (all_gather_matmul, matmul_reduce_scatter)
 
 from shardwise.ir.ops import norms  # noqa: E402,F401  (shardwise::rms_norm, add_rms_norm, add_rms_norm2)
+
+# isort: split
+from shardwise.ir.ops import segment  # noqa: E402,F401  (segment_set)
