@@ -1,0 +1,70 @@
+"""Shared test helpers: real inputs for traced graphs, tiny HF configs, multi-process gloo runs."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from torch import fx
+
+DATA = Path(__file__).parent / "data"
+HF_TINY = {name: DATA / f"hf_tiny_{name}" / "config.json" for name in ("llama", "mistral", "qwen2")}
+# Real parameters are drawn at this scale so a few layers of a tiny model stay well conditioned.
+PARAM_SCALE = 0.1
+
+
+def hf_model_name(arch: str = "llama") -> str:
+    """The ``hf:`` model name of a tiny test config (``llama``, ``mistral`` or ``qwen2``)."""
+    return f"hf:{HF_TINY[arch]}"
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        results[rank] = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; returns each rank's
+    result (``fn`` must be a module-level function and its result picklable)."""
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_worker, args=(world_size, free_port(), fn, args, results), nprocs=world_size, join=True)
+    return [results[r] for r in range(world_size)]
+
+
+def real_inputs_for(gm: fx.GraphModule, seed: int = 0, vocab: int = 256) -> list[torch.Tensor]:
+    """One real tensor per placeholder of ``gm``, shaped and typed like its fake value.
+
+    Floating placeholders get ``PARAM_SCALE * randn``; integer ones (token ids, labels) get
+    ``randint(0, vocab)``; both reproducible from ``seed``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta["val"]
+        if v.dtype.is_floating_point:
+            out.append((PARAM_SCALE * torch.randn(tuple(v.shape), generator=g)).to(v.dtype))
+        else:
+            out.append(torch.randint(0, vocab, tuple(v.shape), generator=g, dtype=v.dtype))
+    return out
