@@ -123,8 +123,17 @@ def _link_bw(group: _Group, hw: Hardware) -> float:
     return min(hw.intra_bus_bw, group.per_node * hw.nic_bw)
 
 
-def _hops_latency(intra_hops: int, inter_hops: int, hw: Hardware, proto: ProtocolSpec) -> float:
-    return proto.hop_factor * (intra_hops * hw.intra_latency_s + inter_hops * hw.inter_latency_s)
+# When a group spans nodes, NCCL's tuner charges LL's intra-node hops 1.8x (its flags are polled
+# through the network proxy path too); NCCL src/graph/tuning.cc, "intraLat *= 1.8".
+LL_MULTI_NODE_INTRA_FACTOR = 1.8
+
+
+def _hops_latency(intra_hops: int, inter_hops: int, hw: Hardware, proto: ProtocolSpec,
+                  multi_node: bool = False) -> float:
+    intra = hw.intra_latency_s
+    if multi_node and proto is PROTOCOLS[Protocol.LL]:
+        intra *= LL_MULTI_NODE_INTRA_FACTOR
+    return proto.hop_factor * (intra_hops * intra + inter_hops * hw.inter_latency_s)
 
 
 def _own_shard_copy_s(kind: CollectiveKind, nbytes: int, group: _Group, hw: Hardware) -> float:
@@ -139,14 +148,15 @@ def _ring(kind: CollectiveKind, nbytes: int, g: _Group, hw: Hardware, p: Protoco
     spec = PROTOCOLS[p]
     steps = 2 * (g.ranks - 1) if kind is CollectiveKind.ALL_REDUCE else g.ranks - 1
     inter_steps = 2 * (g.nodes - 1) if kind is CollectiveKind.ALL_REDUCE else g.nodes - 1
-    latency = spec.base_s + _hops_latency(steps - inter_steps, inter_steps, hw, spec)
+    latency = spec.base_s + _hops_latency(steps - inter_steps, inter_steps, hw, spec, g.nodes > 1)
     bus_bytes = nbytes * bus_factor(kind, g.ranks)
     return latency + bus_bytes / (_link_bw(g, hw) * spec.bw_factor) + _own_shard_copy_s(kind, nbytes, g, hw)
 
 
 def _tree(nbytes: int, g: _Group, hw: Hardware, p: Protocol) -> float:
     spec = PROTOCOLS[p]
-    latency = spec.base_s + _hops_latency(2 * (g.per_node - 1), 2 * math.ceil(math.log2(g.nodes)), hw, spec)
+    inter_hops = 2 * math.ceil(math.log2(g.nodes))
+    latency = spec.base_s + _hops_latency(2 * (g.per_node - 1), inter_hops, hw, spec, multi_node=True)
     return latency + 2 * nbytes / (_link_bw(g, hw) * spec.bw_factor)
 
 
@@ -158,7 +168,7 @@ def _nvls(nbytes: int, hw: Hardware) -> float:
 def _direct_all_to_all(nbytes: int, g: _Group, hw: Hardware, p: Protocol) -> float:
     spec = PROTOCOLS[p]
     remote = g.ranks - g.per_node  # peers on other nodes
-    latency = spec.base_s + _hops_latency(g.per_node - 1, remote, hw, spec)
+    latency = spec.base_s + _hops_latency(g.per_node - 1, remote, hw, spec, g.nodes > 1)
     intra_t = nbytes * (g.per_node - 1) / g.ranks / (hw.intra_bus_bw * spec.bw_factor)
     inter_t = nbytes * remote / g.ranks / (hw.nic_bw * spec.bw_factor)
     return latency + max(intra_t, inter_t) + _own_shard_copy_s(CollectiveKind.ALL_TO_ALL, nbytes, g, hw)

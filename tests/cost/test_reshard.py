@@ -1,0 +1,132 @@
+"""reshard_cost predicts the collectives DTensor's redistribute emits: traced with make_fx under a
+fake process group, counted with ``all_collectives``, bytes by the nccl-tests convention."""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from shardwise.cost.reshard import local_shape, plan_steps, reshard_cost
+from shardwise.cost.topology import MeshTopology
+from shardwise.ir.match import CollectiveKind as K
+from shardwise.ir.match import all_collectives
+from shardwise.mesh import Mesh
+
+R, P, S0, S1, S2 = Replicate(), Partial(), Shard(0), Shard(1), Shard(2)
+GLOBAL = (8, 16)
+FLOAT_BYTES = 4
+
+
+def emitted(mesh_shape, src, dst, global_shape):
+    """(kind, bytes) of every collective DTensor emits for src -> dst, or None if it refuses."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    dm = Mesh(mesh_shape, tuple(f"m{i}" for i in range(len(mesh_shape))), "cpu").device_mesh()
+    meta = TensorMeta(torch.Size(global_shape), torch.empty(global_shape).stride(), torch.float32)
+
+    def f(x):  # the internal entry point: it also takes R -> P, which only ops ask for
+        return redistribute_local_tensor(x, DTensorSpec(dm, src, tensor_meta=meta),
+                                         DTensorSpec(dm, dst, tensor_meta=meta))
+
+    try:
+        gm = make_fx(f, tracing_mode="fake")(torch.randn(local_shape(src, global_shape, mesh_shape)))
+    except (RuntimeError, AssertionError, ValueError):
+        return None
+    out = []
+    for c in all_collectives(gm.graph):
+        t = c.op.meta["val"] if c.kind is K.ALL_GATHER else c.input.meta["val"]
+        out.append((c.kind, t.numel() * t.element_size()))
+    return out
+
+
+def _pairs(mesh_ndim, k, seed):
+    everything = list(itertools.product(itertools.product([R, P, S0, S1], repeat=mesh_ndim), repeat=2))
+    return random.Random(seed).sample(everything, k)
+
+
+# nested and misaligned shardings, where the local shape of each step depends on the other dim
+HAND_PICKED = [
+    ((S0, S0), (R, S0)), ((S0, S1), (S1, S0)), ((S0, S0), (S1, S1)), ((P, P), (R, R)),
+    ((P, S0), (S0, R)), ((S1, P), (R, S1)), ((S0, R), (R, S0)), ((P, R), (S0, S0)),
+    ((S0, S0), (R, R)), ((R, S1), (P, S0)), ((S0, P), (S0, R)), ((P, S1), (P, R)),
+]
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4)])
+@pytest.mark.parametrize("src, dst", HAND_PICKED + _pairs(2, 10, seed=3))
+def test_predicted_collectives_match_dtensor(mesh_shape, src, dst):
+    topo = MeshTopology(mesh_shape, "cpu")
+    got = emitted(mesh_shape, src, dst, GLOBAL)
+    cost = reshard_cost(src, dst, GLOBAL, FLOAT_BYTES, topo)
+    if got is None:
+        assert cost.time_s == math.inf
+        return
+    assert [(u.kind, u.bytes) for u in cost.collectives] == got
+    assert cost.time_s == pytest.approx(sum(topo.collective_time(u.kind, u.bytes, u.mesh_dim)
+                                            for u in cost.collectives))
+
+
+@pytest.mark.parametrize("src, dst", [((S0,), (R,)), ((P,), (S1,)), ((S1,), (S0,)), ((P,), (R,))])
+def test_one_dim_mesh_matches_dtensor(src, dst):
+    topo = MeshTopology((4,), "cpu")
+    got = emitted((4,), src, dst, GLOBAL)
+    assert [(u.kind, u.bytes) for u in reshard_cost(src, dst, GLOBAL, FLOAT_BYTES, topo).collectives] == got
+
+
+def test_three_dim_mesh_matches_dtensor():
+    shape = (8, 16, 4)
+    for src, dst in [((S0, S1, S0), (R, S0, S2)), ((P, S2, S0), (S1, R, R)), ((S0, S0, S0), (S1, S1, S1))]:
+        got = emitted((2, 2, 2), src, dst, shape)
+        cost = reshard_cost(src, dst, shape, FLOAT_BYTES, MeshTopology((2, 2, 2), "cpu"))
+        assert [(u.kind, u.bytes) for u in cost.collectives] == got
+
+
+def test_transitions_and_bytes_on_gpus():
+    topo = MeshTopology((8,), "h100")
+    full = 8 * 16 * 2
+    cases = {
+        ((S0,), (R,)): [(K.ALL_GATHER, full)],          # gathered output
+        ((P,), (R,)): [(K.ALL_REDUCE, full)],
+        ((P,), (S1,)): [(K.REDUCE_SCATTER, full)],      # full input
+        ((S0,), (S1,)): [(K.ALL_TO_ALL, full // 8)],    # local input; CUDA meshes use all_to_all
+        ((R,), (S0,)): [],                              # local slice
+        ((R,), (P,)): [],                               # zeros on the other ranks
+        ((S1,), (S1,)): [],
+    }
+    for (src, dst), want in cases.items():
+        cost = reshard_cost(src, dst, GLOBAL, 2, topo)
+        assert [(u.kind, u.bytes) for u in cost.collectives] == want
+        assert (cost.time_s > 0) == bool(want)
+
+
+def test_impossible_transitions_are_infinite():
+    topo = MeshTopology((2, 4), "h100")
+    assert reshard_cost((S0, R), (P, R), GLOBAL, 2, topo).time_s == math.inf      # S -> P
+    assert reshard_cost((P, R), (Partial("max"), R), GLOBAL, 2, topo).time_s == math.inf
+    assert reshard_cost((P, Partial("max")), (R, R), GLOBAL, 2, topo).time_s == math.inf  # mixed
+    assert reshard_cost((S0, R), (R, R), (7, 16), 2, topo).time_s == math.inf    # 7 rows over 2
+    assert reshard_cost((R, S1), (R, R), (8, 6), 2, topo).time_s == math.inf     # 6 cols over 4
+    assert not reshard_cost((S0, S0), (R, R), (4, 16), 2, topo).possible          # 4 rows over 8
+    # a size-1 mesh dim never communicates, whatever the placements
+    assert reshard_cost((S0, R), (P, R), GLOBAL, 2, MeshTopology((1, 4), "h100")).time_s == 0.0
+
+
+def test_cross_node_dim_costs_more_and_calls_are_cached():
+    topo = MeshTopology((8, 8), "h100")
+    shape = (4096, 4096)
+    dp = reshard_cost((S0, R), (R, R), shape, 2, topo)
+    tp = reshard_cost((R, S0), (R, R), shape, 2, topo)
+    assert dp.collectives[0].bytes == tp.collectives[0].bytes and dp.time_s > 3 * tp.time_s
+    hits = reshard_cost.cache_info().hits
+    reshard_cost((S0, R), (R, R), shape, 2, MeshTopology((8, 8), "h100"))
+    assert reshard_cost.cache_info().hits == hits + 1
+
+
+def test_plan_replicates_misaligned_nested_shards_first():
+    steps = plan_steps((S0, S0), (R, S0), (2, 2))
+    assert [(s.mesh_dim, s.src, s.dst) for s in steps] == [(1, S0, R), (0, S0, R), (1, R, S0)]
