@@ -512,15 +512,19 @@ def infer_fake_val(node: fx.Node) -> None:
     from torch.utils._pytree import tree_map
 
     vals = [n.meta.get("val") for n in node.all_input_nodes]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    try:
+        mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    except AssertionError:  # values from several fake modes (make_fx in real mode makes one each)
+        mode = None
     if mode is None:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(a):
         if isinstance(a, fx.Node):
             a = a.meta.get("val")
-        if isinstance(a, torch.Tensor) and not isinstance(a, torch._subclasses.fake_tensor.FakeTensor):
-            a = mode.from_tensor(a, static_shapes=True)
+        if isinstance(a, torch.Tensor) and getattr(a, "fake_mode", None) is not mode:
+            with mode:
+                a = torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=a.dtype, device=a.device)
         return a
 
     args, kwargs = tree_map(fake, (node.args, node.kwargs), is_leaf=lambda a: isinstance(a, fx.Node))

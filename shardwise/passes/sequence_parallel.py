@@ -116,6 +116,7 @@ class Match:
     reduced: Reduced
     residual: Local | None = None
     residual_first: bool = False  # the residual is the consumer's first operand
+    residual_arg: fx.Node | None = None
     add: fx.Node | None = None  # P3 with an unfused add
 
 
@@ -186,20 +187,22 @@ def same_sharding(local: Local, c: Collective, full_shape: tuple[int, ...]) -> b
 
 
 def other_readers_take_local(red: Reduced, consumer: fx.Node) -> bool:
-    """Every reader of the reduced value other than ``consumer``'s operand chain is a fused norm
-    (or an add into a norm) whose other operand is an all_reduce: later rules will read the slice,
-    so the gather this rewrite gives them dies."""
+    """Every reader of the reduced value other than ``consumer``'s operand chain is (through
+    reshapes) a fused norm, or an add into a norm, whose other operand is an all_reduce: later
+    rules will read the slice, so the gather this rewrite gives them dies."""
     wait = red.coll.value
     chain = {red.arg, *source_through_reshapes(red.arg, single_user=False)[1]}
-    for n in [wait, *chain]:
-        for u in n.users:
-            if u is consumer or u in chain:
+    stack = [(u, n) for n in [wait, *chain] for u in n.users if u is not consumer and u not in chain]
+    while stack:
+        u, n = stack.pop()
+        if is_reshape_or_marker(u):
+            stack += [(uu, u) for uu in u.users]
+            continue
+        if is_op(u, *FUSED_NORMS) or (is_op(u, aten.add.Tensor) and len(u.users) == 1):
+            others = [a for a in u.args[:2] if isinstance(a, fx.Node) and a is not n]
+            if len(others) == 1 and reduced_operand(others[0]) is not None:
                 continue
-            if is_op(u, *FUSED_NORMS) or (is_op(u, aten.add.Tensor) and len(u.users) == 1):
-                others = [a for a in u.args[:2] if isinstance(a, fx.Node) and a is not n]
-                if len(others) == 1 and reduced_operand(others[0]) is not None:
-                    continue
-            return False
+        return False
     return True
 
 
@@ -262,7 +265,7 @@ def _match_pair(rule: Rule, consumer: fx.Node, a: object, b: object, state: _Sta
             why = Refusal.READ_IN_FULL
     if why is not None:
         return _refuse(rule, consumer, why)
-    return Match(rule, consumer, red, local, residual_first)
+    return Match(rule, consumer, red, local, residual_first, res_arg)
 
 
 def match_p2(norm: fx.Node, state: _State) -> Match | None:
@@ -368,6 +371,7 @@ def rewrite(m: Match, state: _State) -> None:
         m.norm.replace_all_uses_with(_gather(cur, new, full, c, m.norm))
     else:
         lr = cur.reshape(m.residual.node, seq_local_shape(full, m.residual.parts), m.norm)
+        state.touched += [m.residual_arg, *source_through_reshapes(m.residual_arg, single_user=False)[1]]
         ops = (lr, lx) if m.residual_first else (lx, lr)
         if m.add is not None:  # P3 on an add and a norm
             add = cur.call(aten.add.Tensor, ops, m.add)
