@@ -10,6 +10,7 @@ inputs. Everything runs under a ``FakeTensorMode``: no parameter memory is ever 
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.errors import UserError
@@ -79,6 +81,10 @@ def _phases(gm: fx.GraphModule, train: bool) -> dict[str, Phase]:
             continue
         fwd.add(n)
         stack.extend(n.all_input_nodes)
+    # A getitem of a forward op (attention's logsumexp, read only by the backward) is forward too.
+    for n in gm.graph.nodes:
+        if n.target is operator.getitem and n.args[0] in fwd:
+            fwd.add(n)
     return {n.name: (Phase.FORWARD if n in fwd or n.op == "placeholder" else Phase.BACKWARD)
             for n in gm.graph.nodes}
 
@@ -125,10 +131,14 @@ def trace(
     with mode:
         if train:
             params = [p.detach().requires_grad_(True) for p in params]
-        gm = make_fx(step, tracing_mode="real", record_module_stack=True)(*params, *inputs)
+        # A lazy GraphModule generates its Python code on first call, not on every recompile():
+        # tracing and canonicalising a 7,500-node graph would otherwise regenerate and compile
+        # its code once per pass (seconds each at 32 layers) for a graph nobody runs here.
+        with _use_lazy_graph_module(True):
+            gm = make_fx(step, tracing_mode="real", record_module_stack=True)(*params, *inputs)
     _check_functional(gm)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+    if gm.graph.eliminate_dead_code():
+        gm.recompile()
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
