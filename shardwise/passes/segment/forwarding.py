@@ -20,6 +20,7 @@ reads it holds its own copy of it and of the forwarded nodes it reads):
 
 Safety conditions (named predicates below): a forwarded node is never a graph output; rules (a)
 and (c) never forward a node that feeds ``segment_set`` or that starts from a mutated input;
+rules (a) and (b) never forward into a collective (it runs no arithmetic of ours);
 rule (c) also refuses inputs aliased to an output and a reduce followed by a broadcast back over
 the reduced dim (the allreduce pattern, which must stay in its reduction kernel). Random ops are
 never forwarded.
@@ -36,6 +37,7 @@ from torch import fx
 from shardwise.ir.flops import is_view
 from shardwise.passes.segment.classify import (
     is_broadcast_view,
+    is_collective,
     is_degenerate_reduce,
     is_expanding,
     is_factory,
@@ -81,6 +83,11 @@ def feeds_segment_set(node: fx.Node) -> bool:
     return any(is_segment_set(u) for u in node.users)
 
 
+def feeds_collective(node: fx.Node) -> bool:
+    """``node`` is read by a collective, which cannot recompute it (it runs no arithmetic of ours)."""
+    return any(is_collective(u) for u in node.users)
+
+
 def is_output_aliased(inp: fx.Node) -> bool:
     """The graph returns ``inp`` itself or a view of it."""
     stack, seen = [inp], set()
@@ -121,6 +128,8 @@ def find_forwarded(graph: fx.Graph, *, mutated_inputs: Collection[str] = ()) -> 
         srcs = n.all_input_nodes
         if not all(s in chains for s in srcs):
             continue  # it reads a value that some segment computes
+        if feeds_collective(n) and not (is_broadcast_view(n) or is_degenerate_reduce(n)):
+            continue  # a collective kernel reads its operand from memory
         if is_factory(n):
             fwd.kinds[n] = ForwardKind.FACTORY
             chains[n] = _Chain(None)
