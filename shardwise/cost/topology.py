@@ -59,6 +59,11 @@ class MeshTopology:
         object.__setattr__(self, "mesh_shape", shape)
         object.__setattr__(self, "hw", get_hardware(self.hw))
         object.__setattr__(self, "dims", _dim_links(shape, self.hw.gpus_per_node))
+        # cost functions are cached on the topology: hash it once, not on every lookup
+        object.__setattr__(self, "_hash", hash((shape, self.hw)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def from_mesh(cls, mesh, hw: Hardware | str | None = None) -> MeshTopology:
