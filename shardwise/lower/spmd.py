@@ -1,0 +1,544 @@
+"""Lower a plan to the program one rank runs: a graph on local shapes with real collectives.
+
+Sketch (one node of the canonical graph, the plan says ``inputs=(S(0), R)``, ``output=(P,)``)::
+
+    before (global, on fake tensors)          after (per rank, local shapes)
+      y = mm(x, w)                              x1 = wait_tensor(all_gather_into_tensor(x, 2, "g"))
+                                                ...  (whatever turns x's placement into S(0))
+                                                y = mm(x1, w)
+
+How: an ``fx.Interpreter`` runs the canonical graph on DTensors placed as the plan says. Before
+each node every tensor argument is redistributed to the placement the plan chose for it; the op
+then runs on DTensors (DTensor converts shape arguments of view ops to local shapes), or, for ops
+DTensor has no sharding rule for (our own ``shardwise::`` ops, CPU flash attention), on the local
+tensors, the result wrapped in the plan's output placement. When the op's result comes out in
+another placement than the plan's, it is redistributed too (and recorded in ``unplanned``: a plan
+and DTensor that disagree are a bug the consistency check reports). The whole interpretation is
+traced with ``make_fx`` on local fake tensors, so the result is a plain ATen graph holding
+``torch.ops._c10d_functional`` collectives and their ``wait_tensor``.
+
+Rank dependence: a few redistributions read the rank's mesh coordinate (``Replicate -> Shard``
+keeps one chunk; a vocab-sharded embedding masks by its offset), so the traced graph is the
+graph of one rank. ``lower`` traces rank ``rank`` on a fake process group; the runtime lowers each
+rank in its own process on the real group (``lower_on``), which also gives the real group names.
+
+Conditions: the plan was made for this graph (fingerprint); every ``Shard`` divides its dim
+evenly (the planner only proposes such shards); a node without a plan entry is left to DTensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from unittest import mock
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.distributed import config as dist_config
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, placement_types
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from shardwise.errors import UserError
+from shardwise.ir.trace import Traced
+from shardwise.mesh import Mesh
+from shardwise.plan.placement import Placements, placements_str
+from shardwise.plan.plan import CollectiveCount, Plan, graph_fingerprint, tensor_args
+
+log = logging.getLogger(__name__)
+
+_MESH_GET_GROUP = torch.ops._dtensor.mesh_get_process_group.default
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts: where a global tensor's pieces live, and how to cut and reassemble them.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A global tensor of ``shape``/``dtype`` held in ``placements`` over a mesh of ``mesh_shape``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placements: Placements
+    mesh_shape: tuple[int, ...]
+
+    def local_shape(self) -> tuple[int, ...]:
+        dims = list(self.shape)
+        for p, m in zip(self.placements, self.mesh_shape, strict=True):
+            if isinstance(p, Shard):
+                dims[p.dim % len(dims)] //= m
+        return tuple(dims)
+
+    def shard(self, full: torch.Tensor, coord: tuple[int, ...]) -> torch.Tensor:
+        """The piece of ``full`` that the rank at mesh coordinate ``coord`` holds (a copy).
+
+        Mesh dims cut in order, each one the chunk left by the previous (DTensor's nesting);
+        a ``Partial`` sum keeps the value on coordinate 0 and zeros elsewhere.
+        """
+        t = full
+        for p, m, c in zip(self.placements, self.mesh_shape, coord, strict=True):
+            if isinstance(p, Shard):
+                t = t.chunk(m, dim=p.dim % t.dim())[c]
+            elif isinstance(p, Partial) and c != 0:
+                t = torch.zeros_like(t)
+        return t.contiguous().clone()
+
+    def assemble(self, pieces: dict[tuple[int, ...], torch.Tensor]) -> torch.Tensor:
+        """The global tensor from every coordinate's piece (inverse of ``shard``)."""
+        return _assemble(self.placements, self.mesh_shape, pieces, ())
+
+
+def _assemble(placements: Placements, mesh_shape: tuple[int, ...],
+              pieces: dict[tuple[int, ...], torch.Tensor], prefix: tuple[int, ...]) -> torch.Tensor:
+    i = len(prefix)
+    if i == len(mesh_shape):
+        return pieces[prefix]
+    parts = [_assemble(placements, mesh_shape, pieces, (*prefix, c)) for c in range(mesh_shape[i])]
+    p = placements[i]
+    if isinstance(p, Shard):
+        return torch.cat(parts, dim=p.dim % parts[0].dim())
+    if isinstance(p, Partial):
+        return torch.stack(parts).sum(0) if p.reduce_op == "sum" else _reduce(parts, p.reduce_op)
+    return parts[0]
+
+
+def _reduce(parts: list[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack(parts)
+    if op == "avg":
+        return stacked.mean(0)
+    if op == "max":
+        return stacked.amax(0)
+    if op == "min":
+        return stacked.amin(0)
+    raise ValueError(f"cannot reassemble a Partial({op}) tensor")
+
+
+def mesh_coordinate(rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major coordinate of ``rank`` (the layout ``Mesh.device_mesh`` uses)."""
+    coord = []
+    for m in reversed(mesh_shape):
+        coord.append(rank % m)
+        rank //= m
+    return tuple(reversed(coord))
+
+
+# ---------------------------------------------------------------------------------------------
+# The program.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SPMDProgram:
+    """One rank's program: ``gm`` takes the local placeholders (parameters, then inputs, in the
+    traced order) and returns the local pieces of the traced outputs (``outputs`` says how each
+    reassembles; ``None`` where the traced graph returned no tensor)."""
+
+    gm: fx.GraphModule
+    traced: Traced
+    plan: Plan
+    rank: int
+    placeholders: list[Layout]
+    outputs: list[Layout | None]
+    group_dims: dict[str, int] = field(default_factory=dict)  # group name -> mesh dim
+    unplanned: list[str] = field(default_factory=list)
+    local_ops: list[str] = field(default_factory=list)
+    passes: list[str] = field(default_factory=list)
+    rewrites: dict[str, int] = field(default_factory=dict)
+    model: object | None = None  # the ModelSpec the graph was traced from, when known (runtime)
+
+    def output_names(self) -> list[str | None]:
+        """The traced graph's node name of each output (None where it returned no tensor)."""
+        return [lay.name if lay is not None else None for lay in self.outputs]
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(tuple(self.plan.mesh_shape), tuple(self.plan.mesh_names), self.plan.hardware)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.plan.mesh_shape)
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        return mesh_coordinate(rank, tuple(self.plan.mesh_shape))
+
+    def param_layouts(self) -> dict[str, Layout]:
+        by_node = {lay.name: lay for lay in self.placeholders}
+        return {p: by_node[n] for p, n in self.traced.params.items()}
+
+    def local_args(self, params: dict[str, torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                   rank: int) -> list[torch.Tensor]:
+        """Cut global parameters and inputs into the pieces ``rank`` holds, in placeholder order."""
+        node_of = self.traced.param_of_placeholder()
+        given = dict(zip(self.traced.inputs, inputs, strict=True))
+        coord = self.coordinate(rank)
+        out = []
+        for lay in self.placeholders:
+            full = params[node_of[lay.name]] if lay.name in node_of else given[lay.name]
+            out.append(lay.shard(full, coord))
+        return out
+
+    def collectives(self) -> dict[str, CollectiveCount]:
+        """Collectives in ``gm`` per kind (count, bytes by the shared convention)."""
+        from shardwise.runtime.counter import count_graph
+
+        return count_graph(self.gm)
+
+    def apply_passes(self, names: list[str]) -> dict[str, int]:
+        """Run the named graph passes on ``gm`` (in place) and remember them for other ranks."""
+        from shardwise.passes import run_passes
+
+        if not names:
+            return {}
+        done = run_passes(self.gm, list(names))
+        self.passes = [*self.passes, *names]
+        for k, v in done.items():
+            self.rewrites[k] = self.rewrites.get(k, 0) + v
+        return done
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering.
+# ---------------------------------------------------------------------------------------------
+
+
+def _dtensor_knows(op: object) -> bool:
+    """DTensor has a sharding rule for ``op`` (it can run the op on DTensors itself)."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return (op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs
+            or op in prop.op_to_rules or op in DTensor._op_dispatcher._custom_op_handlers)
+
+
+def _planner_rules() -> dict:
+    """Ops the planner gave its own rule (DTensor runs them wrong or not at all)."""
+    try:
+        from shardwise.plan.strategies import RULES
+    except ImportError:  # planner not importable: only DTensor's rules apply
+        return {}
+    return RULES
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+class _Lowerer(fx.Interpreter):
+    """Interprets the canonical graph on DTensors, placing every value as the plan says."""
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan, mesh: DeviceMesh, device: torch.device) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.plan = plan
+        self.mesh = mesh
+        self.device = device
+        self.rules = _planner_rules()
+        self.unplanned: list[str] = []
+        self.local_ops: set[str] = set()
+        self.placed: dict[str, tuple[Placements, ...]] = {}
+
+    # -- placement helpers ------------------------------------------------------------------
+
+    def _as_dtensor(self, v: torch.Tensor) -> DTensor:
+        """A plain tensor computed the same on every rank (factory ops, constants) is replicated."""
+        if isinstance(v, DTensor):
+            return v
+        return DTensor.from_local(v, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+
+    def _place(self, v: object, want: Placements | None) -> object:
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = self._as_dtensor(v)
+        if want is not None and tuple(v.placements) != tuple(want):
+            v = v.redistribute(self.mesh, want)
+        return v
+
+    def _conform(self, node: fx.Node, v: object, want: Placements | None) -> object:
+        """Bring an op's result to the plan's output placement (noting when that costs a move)."""
+        if not isinstance(v, torch.Tensor):
+            return v
+        d = self._as_dtensor(v)
+        if want is not None and tuple(d.placements) != tuple(want):
+            if isinstance(v, DTensor):
+                self.unplanned.append(f"{node.name}: {placements_str(d.placements)} -> {placements_str(want)}")
+                log.debug("%s came out as %s, plan says %s", node.format_node(), d.placements, want)
+            d = d.redistribute(self.mesh, want)
+        return d
+
+    # -- nodes ------------------------------------------------------------------------------
+
+    def run_node(self, n: fx.Node) -> object:
+        if n.op == "placeholder":
+            return super().run_node(n)
+        if n.op == "get_attr":
+            return self._as_dtensor(super().run_node(n))
+        if n.op == "output":
+            return super().run_node(n)
+        spec = self.plan.nodes.get(n.name)
+        want_in = list(spec.inputs) if spec is not None else []
+        want_out = list(spec.output) if spec is not None else []
+        flat, tree = tree_flatten((n.args, n.kwargs))
+        k = 0
+        vals = []
+        for a in flat:
+            if isinstance(a, fx.Node):
+                v = self.env[a]
+                if isinstance(a.meta.get("val"), torch.Tensor):
+                    v = self._place(v, want_in[k] if k < len(want_in) else None)
+                    k += 1
+                vals.append(v)
+            else:
+                vals.append(a)
+        args, kwargs = tree_unflatten(vals, tree)
+        kwargs = dict(kwargs)
+        if "device" in kwargs and kwargs["device"] is not None:
+            kwargs["device"] = self.device
+        if n.target is operator.getitem:
+            out = operator.getitem(*args)
+        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and (
+                n.target in self.rules or not _dtensor_knows(n.target)) and tensor_args(n):
+            out = self._run_local(n, args, kwargs, want_out)
+        else:
+            out = self.call_function(n.target, args, kwargs) if n.op == "call_function" else \
+                getattr(self, n.op)(n.target, args, kwargs)
+        out = self._conform_all(n, out, want_out)
+        self.placed[n.name] = tuple(tuple(x.placements) for x in tree_flatten(out)[0] if isinstance(x, DTensor))
+        return out
+
+    def _conform_all(self, n: fx.Node, out: object, want_out: list[Placements]) -> object:
+        if isinstance(out, (tuple, list)):
+            res = [self._conform(n, x, want_out[i] if i < len(want_out) else None) for i, x in enumerate(out)]
+            return type(out)(res) if isinstance(out, tuple) else res
+        return self._conform(n, out, want_out[0] if want_out else None)
+
+    def _run_local(self, n: fx.Node, args: tuple, kwargs: dict, want_out: list[Placements]) -> object:
+        """Run an op DTensor has no rule for on the local pieces; the plan says how they are placed."""
+        self.local_ops.add(str(n.target))
+        flat, tree = tree_flatten((args, kwargs))
+        placed = [x for x in flat if isinstance(x, DTensor)]
+        if not want_out:
+            want_out = self._unplanned_local_output(n, [tuple(x.placements) for x in placed])
+            if want_out is None:  # no plan and no rule for these inputs: run it replicated
+                rep = tuple([Replicate()] * self.mesh.ndim)
+                flat = [self._place(x, rep) if isinstance(x, DTensor) else x for x in flat]
+                want_out = [rep] * max(1, len(tree_flatten(n.meta.get("val"))[0]))
+        local = [x.to_local() if isinstance(x, DTensor) else x for x in flat]
+        largs, lkwargs = tree_unflatten(local, tree)
+        res = n.target(*largs, **lkwargs)
+        vals = n.meta.get("val")
+
+        def wrap(i: int, t: object, gv: object) -> object:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if not isinstance(gv, torch.Tensor):
+                return DTensor.from_local(t, self.mesh, want_out[i], run_check=False)
+            # The global value's strides: DTensor checks views against them, so the local piece
+            # must be laid out the same way (a kernel may lay out differently shaped inputs anew).
+            t = _same_layout(t, gv)
+            return DTensor.from_local(t, self.mesh, want_out[i], run_check=False, shape=gv.shape,
+                                      stride=gv.stride())
+
+        if isinstance(res, (tuple, list)):
+            gvs = list(vals) if isinstance(vals, (tuple, list)) else [None] * len(res)
+            return type(res)(wrap(i, t, g) for i, (t, g) in enumerate(zip(res, gvs, strict=True)))
+        return wrap(0, res, vals)
+
+
+    def _unplanned_local_output(self, n: fx.Node, have: list[Placements]) -> list[Placements] | None:
+        """A node the plan leaves open: the planner's rule strategy that reads its inputs as they
+        are (None when there is none)."""
+        rule = self.rules.get(n.target)
+        if rule is not None:
+            choices = [[ps] for ps in have]
+            for s in rule(n, choices, self.mesh):
+                if list(s.inputs) == have:
+                    return list(s.output)
+        return None
+
+
+def _layout_order(t: torch.Tensor) -> list[int]:
+    """Dims from outermost to innermost in memory (stable for size-1 dims)."""
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d))
+
+
+def _same_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with its dims laid out in memory in the order ``like``'s are."""
+    if t.dim() != like.dim() or t.dim() < 2:
+        return t
+    want, have = _layout_order(like), _layout_order(t)
+    if want == have and t.is_contiguous(memory_format=torch.contiguous_format) == like.is_contiguous():
+        return t
+    inverse = [want.index(d) for d in range(t.dim())]
+    return t.permute(want).contiguous().permute(inverse)
+
+
+def _fake_mesh(mesh: Mesh, rank: int) -> DeviceMesh:
+    """A DeviceMesh over a fake process group in which this process is ``rank``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            raise RuntimeError("a real process group is active; lower on it with lower_on().")
+        if dist.get_world_size() != mesh.size or dist.get_rank() != rank:
+            dist.destroy_process_group()
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=mesh.size)
+    return DeviceMesh("cpu", torch.arange(mesh.size).view(mesh.shape), mesh_dim_names=mesh.names)
+
+
+def check_plan(traced: Traced, plan: Plan) -> None:
+    """Refuse a plan made for another graph (naming the model and mesh it was made for)."""
+    if plan.fingerprint != graph_fingerprint(traced.gm):
+        raise UserError(f"the plan was made for another graph (model {plan.model!r}, mesh "
+                        f"{'x'.join(map(str, plan.mesh_shape))}, {'training' if plan.train else 'inference'}); "
+                        "plan this graph again.")
+
+
+def lower(traced: Traced, plan: Plan, *, rank: int = 0) -> SPMDProgram:
+    """The program rank ``rank`` runs under ``plan`` (lowered on a fake process group)."""
+    check_plan(traced, plan)
+    mesh = Mesh(tuple(plan.mesh_shape), tuple(plan.mesh_names), plan.hardware)
+    if not 0 <= rank < mesh.size:
+        raise UserError(f"rank {rank} is outside the mesh of {mesh.size} devices.")
+    return lower_on(traced, plan, _fake_mesh(mesh, rank), rank=rank)
+
+
+def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
+             device: torch.device | str = "cpu") -> SPMDProgram:
+    """Lower on an existing DeviceMesh (the real one in a worker): collectives name its groups."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = torch.device(device)
+    mesh_shape = tuple(plan.mesh_shape)
+    layouts = _placeholder_layouts(traced, plan)
+    lowerer = _Lowerer(traced.gm, plan, device_mesh, device)
+    out_node = next(n for n in reversed(traced.gm.graph.nodes) if n.op == "output")
+    out_nodes = list(out_node.args[0])
+
+    def step(*local: torch.Tensor) -> list[torch.Tensor | None]:
+        placed = [DTensor.from_local(t, device_mesh, lay.placements, run_check=False, shape=lay.shape,
+                                     stride=_contiguous_stride(lay.shape))
+                  for t, lay in zip(local, layouts, strict=True)]
+        outs = lowerer.run(*placed)
+        res = []
+        for node, v in zip(out_nodes, outs, strict=True):
+            if isinstance(v, DTensor):
+                res.append(v.to_local())
+            else:
+                res.append(v)
+            del node
+        return res
+
+    # compile_on_one_rank: DTensor reads the mesh coordinate through a runtime op instead of
+    # baking this rank's in, so one graph serves every rank (it needs a shape env for the
+    # coordinate's symbolic value).
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    with dist_config.patch(compile_on_one_rank=True), mode, \
+            mock.patch.object(placement_types, "shard_dim_alltoall", shard_dim_all_to_all):
+        fakes = [torch.empty(lay.local_shape(), dtype=lay.dtype, device=device) for lay in layouts]
+        gm = make_fx(step, tracing_mode="real")(*fakes)
+    _name_groups(gm, device_mesh)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    outputs: list[Layout | None] = []
+    for node in out_nodes:
+        v = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if not isinstance(v, torch.Tensor):
+            outputs.append(None)
+            continue
+        ps = lowerer.placed.get(node.name, ())
+        outputs.append(Layout(node.name, tuple(v.shape), v.dtype, ps[0] if ps else
+                              tuple([Replicate()] * len(mesh_shape)), mesh_shape))
+    group_dims = {device_mesh.get_group(d).group_name: d for d in range(device_mesh.ndim)}
+    return SPMDProgram(gm=gm, traced=traced, plan=plan, rank=rank, placeholders=layouts, outputs=outputs,
+                       group_dims=group_dims, unplanned=lowerer.unplanned, local_ops=sorted(lowerer.local_ops))
+
+
+def shard_dim_all_to_all(local: torch.Tensor, gather_dim: int, shard_dim: int, mesh: DeviceMesh,
+                         mesh_dim: int) -> torch.Tensor:
+    """``Shard(gather_dim) -> Shard(shard_dim)`` over one mesh dim as one ``all_to_all_single``.
+
+    Stands in for DTensor's version, which on CPU all-gathers and keeps this rank's chunk (a
+    rank-specific graph, and an all_gather where the plan counts an all_to_all) and elsewhere
+    calls an opaque op. Rank ``j`` is sent the ``j``-th piece along ``shard_dim``; the pieces
+    received, in rank order, are concatenated along ``gather_dim``.
+    """
+    from torch.distributed import _functional_collectives as funcol
+
+    world = mesh.size(mesh_dim)
+    send = torch.stack(local.chunk(world, dim=shard_dim))
+    got = funcol.all_to_all_single(send, None, None, group=(mesh, mesh_dim))
+    if isinstance(got, funcol.AsyncCollectiveTensor):
+        got = got.wait()
+    return torch.cat(got.unbind(0), dim=gather_dim).contiguous()
+
+
+def _name_groups(gm: fx.GraphModule, device_mesh: DeviceMesh) -> None:
+    """Replace ``_dtensor.mesh_get_process_group(mesh, d)`` by the group's name (a string), the
+    form every pass and ``ir.match`` read, and drop the mesh object from the graph."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is _MESH_GET_GROUP:
+            name = device_mesh.get_group(int(n.args[1])).group_name
+            n.replace_all_uses_with(name)  # type: ignore[arg-type]
+            gm.graph.erase_node(n)
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr" and not n.users:
+            gm.graph.erase_node(n)
+            if hasattr(gm, str(n.target)) and not isinstance(getattr(gm, str(n.target)), torch.Tensor):
+                delattr(gm, str(n.target))
+
+
+def rename_groups(gm: fx.GraphModule, names: dict[str, str]) -> int:
+    """Point every collective at another process group (``old name -> new name``); the count."""
+    from shardwise.ir.match import C10D_KINDS
+
+    done = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in C10D_KINDS and str(n.args[-1]) in names:
+            n.args = (*n.args[:-1], names[str(n.args[-1])])
+            done += 1
+    gm.recompile()
+    return done
+
+
+def _placeholder_layouts(traced: Traced, plan: Plan) -> list[Layout]:
+    node_of = traced.param_of_placeholder()
+    mesh_shape = tuple(plan.mesh_shape)
+    rep: Placements = tuple([Replicate()] * len(mesh_shape))
+    out = []
+    for n in traced.gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta["val"]
+        ps: Placements | None = None
+        if n.name in node_of and node_of[n.name] in plan.params:
+            ps = plan.params[node_of[n.name]]
+        elif n.name in plan.nodes:
+            ps = plan.nodes[n.name].output[0]
+        ps = tuple(ps) if ps is not None else rep
+        _check_even(n.name, tuple(v.shape), ps, mesh_shape)
+        out.append(Layout(n.name, tuple(v.shape), v.dtype, ps, mesh_shape))
+    return out
+
+
+def _check_even(name: str, shape: tuple[int, ...], ps: Placements, mesh_shape: tuple[int, ...]) -> None:
+    """Every Shard of a placeholder divides its dim evenly (else ranks would hold unequal pieces)."""
+    dims = list(shape)
+    for p, m in zip(ps, mesh_shape, strict=True):
+        if isinstance(p, Shard):
+            d = p.dim % max(len(dims), 1)
+            if not dims or dims[d] % m:
+                raise UserError(f"{name} of shape {list(shape)} cannot be split {m} ways along dim {d} "
+                                f"(placement {placements_str(ps)}); use a mesh that divides it.")
+            dims[d] //= m
+

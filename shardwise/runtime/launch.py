@@ -1,0 +1,480 @@
+"""Run lowered programs on real process groups: one process per rank, or the ranks torchrun started.
+
+Local launch (``run`` / ``run_many``): the parent holds a ``TCPStore`` on a port the OS picked
+(port 0, so two runs at once never collide) and forks one worker per rank. Each worker drops the
+fake process group it inherited, joins the real one (gloo on CPU, NCCL on GPUs), builds the
+mesh, points the program's collectives at its groups (``rename_groups``), cuts its pieces of
+the parameters and inputs, runs the step under a ``CollectiveCounter`` and sends back its local
+outputs and counts. The parent reassembles loss, gradients and outputs from the pieces (each
+output's placements), and with ``check=True`` compares them with a single-process fp32
+reference that it computes while the workers run.
+
+Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) this process is one rank: it joins the
+group from the environment, runs its piece, and rank 0 gathers the rest over the group.
+
+Faults: a worker that raises reports its error; the parent then gives the others a moment and
+kills every child. A worker that never reports by ``timeout_s`` is named as hung. Either way
+``run`` raises ``RunError`` naming the rank, and no child outlives it.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import math
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shardwise.errors import UserError
+from shardwise.lower.spmd import SPMDProgram, rename_groups
+from shardwise.plan.plan import CollectiveCount
+from shardwise.runtime.counter import CollectiveCounter, count_graph
+
+LOCALHOST = "127.0.0.1"
+# After the first rank fails, how long the others get to report their own errors before all
+# are killed (their errors help say what happened; waiting longer tells nothing new).
+FAILURE_GRACE_S = 2.0
+# Process-group timeout as a share of the run's: ranks blocked on a hung peer give up (and say
+# so) well before the parent's deadline, so the one that never reports stands out as the hang.
+PG_TIMEOUT_SHARE = 0.5
+# A planted hang sleeps this long: far past any run's timeout.
+HANG_S = 3600.0
+# Errors that say "a peer went away / did not answer", not what went wrong first.
+_PEER_ERROR_MARKERS = ("Connection closed by peer", "Timed out", "timed out", "Connection reset",
+                       "DistNetworkError", "DistBackendError", "Broken pipe")
+
+
+class FaultKind(enum.Enum):
+    RAISE = "raise"
+    HANG = "hang"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Test-only fault injection: ``rank`` raises or hangs just before running its step."""
+
+    rank: int
+    kind: FaultKind | str = FaultKind.RAISE
+
+    @property
+    def fault_kind(self) -> FaultKind:
+        return FaultKind(self.kind)
+
+
+class RunError(RuntimeError):
+    """A rank failed or hung; the message names it."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass
+class RunResult:
+    """What a distributed step computed (reassembled global tensors) and what it communicated."""
+
+    world_size: int
+    backend: str
+    train: bool
+    loss: float | None
+    outputs: list[torch.Tensor | None]
+    grads: dict[str, torch.Tensor]
+    measured: dict[str, CollectiveCount]
+    lowered: dict[str, CollectiveCount]
+    predicted: dict[str, CollectiveCount]
+    wall_s: float
+    loss_ref: float | None = None
+    max_rel_err: float | None = None
+    worst: str | None = None  # the tensor with the largest relative error
+    rank_measured: list[dict[str, CollectiveCount]] = field(default_factory=list)
+
+    @property
+    def comm_matches(self) -> bool:
+        from shardwise.runtime.counter import same_counts
+
+        return same_counts(self.measured, self.predicted)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights, inputs and the reference.
+# ---------------------------------------------------------------------------------------------
+
+# Scale of random weights when no model is known (a typical init std for transformer layers).
+RANDOM_INIT_STD = 0.02
+# Token ids drawn for integer inputs when no model says the vocabulary: 0 and 1 are valid ids
+# and class labels for every model.
+RANDOM_INT_HIGH = 2
+
+
+@dataclass
+class StepData:
+    """Global parameters (by name) and inputs for one step, and the module that made them."""
+
+    params: dict[str, torch.Tensor]
+    inputs: tuple[torch.Tensor, ...]
+    module: torch.nn.Module | None = None
+
+
+def make_step_data(program: SPMDProgram, seed: int = 0, model=None) -> StepData:
+    """Real weights and inputs from ``seed``: the model's own init when ``model`` (a ``ModelSpec``)
+    is given, else random values of the traced shapes."""
+    traced = program.traced
+    spec = model if model is not None else program.model
+    if spec is not None:
+        torch.manual_seed(seed)
+        module = spec.build_module()
+        if not traced.train:
+            module.eval()
+        named = dict(module.named_parameters())
+        params = {k: named[k].detach() for k in traced.params}
+        return StepData(params, tuple(spec.example_inputs(traced.train, seed)), module)
+    g = torch.Generator().manual_seed(seed)
+    lay = program.param_layouts()
+    params = {k: (torch.randn(lay[k].shape, generator=g) * RANDOM_INIT_STD).to(lay[k].dtype) for k in traced.params}
+    by_name = {x.name: x for x in program.placeholders}
+    inputs = []
+    for name in traced.inputs:
+        x = by_name[name]
+        if x.dtype.is_floating_point:
+            inputs.append(torch.randn(x.shape, generator=g).to(x.dtype))
+        else:
+            inputs.append(torch.randint(0, RANDOM_INT_HIGH, x.shape, generator=g).to(x.dtype))
+    return StepData(params, tuple(inputs))
+
+
+def reference(program: SPMDProgram, data: StepData) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
+    """The single-process result in fp32: ``(outputs, grads)`` (training: ``outputs[0]`` is the
+    loss). The eager module when there is one, else the unsharded canonical graph."""
+    traced = program.traced
+    params = {k: v.float() for k, v in data.params.items()}
+    inputs = tuple(x.float() if x.dtype.is_floating_point else x for x in data.inputs)
+    if data.module is not None:
+        from torch.func import functional_call
+
+        module = data.module.float()
+        if traced.train:
+            leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+            loss = functional_call(module, leaves, inputs)
+            names = list(leaves)
+            grads = torch.autograd.grad(loss, [leaves[k] for k in names], allow_unused=True)
+            return [loss.detach()], {k: g for k, g in zip(names, grads, strict=True) if g is not None}
+        with torch.no_grad():
+            out = functional_call(module, params, inputs)
+        return (list(out) if isinstance(out, (tuple, list)) else [out]), {}
+    outs = traced.gm(*[params[k] for k in traced.params], *inputs)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    if traced.train:
+        return [outs[0]], {k: outs[1 + i] for i, k in enumerate(traced.params)
+                           if isinstance(outs[1 + i], torch.Tensor)}
+    return outs, {}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (0 when both are zero)."""
+    got, want = got.double(), want.double()
+    scale = want.abs().max().item() if want.numel() else 0.0
+    diff = (got - want).abs().max().item() if want.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank's work.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _RankOutput:
+    rank: int
+    outputs: list[list[torch.Tensor | None]]  # per program: local pieces of its outputs
+    counts: list[dict[str, CollectiveCount]]  # per program: what ran
+
+
+def _device_for(backend: str, rank: int) -> torch.device:
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """Make factory ops and constants of a CPU-lowered graph create their tensors on ``device``."""
+    if device.type == "cpu":
+        return
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device):
+            n.kwargs = {**n.kwargs, "device": device}
+    for name, buf in list(gm.named_buffers()) + [(k, v) for k, v in vars(gm).items() if isinstance(v, torch.Tensor)]:
+        setattr(gm, name, buf.to(device))
+    gm.recompile()
+
+
+def _bind(program: SPMDProgram, backend: str, rank: int) -> torch.fx.GraphModule:
+    """``program.gm`` on this process's real groups and device (a copy)."""
+    import copy
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = program.mesh
+    device = _device_for(backend, rank)
+    dm = DeviceMesh(device.type, torch.arange(mesh.size).view(mesh.shape), mesh_dim_names=mesh.names)
+    gm = copy.deepcopy(program.gm)
+    rename_groups(gm, {old: dm.get_group(d).group_name for old, d in program.group_dims.items()})
+    retarget_device(gm, device)
+    return gm
+
+
+def _run_rank(programs: Sequence[SPMDProgram], datas: Sequence[StepData], backend: str, rank: int,
+              fault: Fault | None) -> _RankOutput:
+    outs, counts = [], []
+    for program, data in zip(programs, datas, strict=True):
+        gm = _bind(program, backend, rank)
+        device = _device_for(backend, rank)
+        args = [a.to(device) for a in program.local_args(data.params, data.inputs, rank)]
+        if fault is not None and fault.rank == rank:
+            if fault.fault_kind is FaultKind.HANG:
+                time.sleep(HANG_S)
+            raise RuntimeError(f"planted fault on rank {rank}")
+        with torch.no_grad(), CollectiveCounter() as counter:
+            res = gm(*args)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        res = list(res) if isinstance(res, (tuple, list)) else [res]
+        outs.append([r.detach().cpu() if isinstance(r, torch.Tensor) else None for r in res])
+        counts.append(counter.counts)
+    return _RankOutput(rank, outs, counts)
+
+
+def _to_bytes(out: _RankOutput) -> bytes:
+    """Tensors go to the parent as bytes: torch's queue pickling shares memory through file
+    descriptors that vanish when the worker exits."""
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> _RankOutput:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(rank: int, world: int, port: int, backend: str, programs, datas, fault, pg_timeout_s: float,
+            results) -> None:
+    """A forked rank: join the real group, run, report (never raises)."""
+    try:
+        torch.set_num_threads(1)  # ranks share the machine's cores
+        if dist.is_initialized():  # the fake group the parent planned on
+            dist.destroy_process_group()
+        store = dist.TCPStore(LOCALHOST, port, world, is_master=False,
+                              timeout=timedelta(seconds=pg_timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        out = _run_rank(programs, datas, backend, rank, fault)
+        results.put(("ok", rank, _to_bytes(out)))
+    except BaseException as e:  # report everything: the parent names the rank and its error
+        first = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        results.put(("error", rank, first, traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # the group may be broken by a failed peer; the process ends anyway
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching.
+# ---------------------------------------------------------------------------------------------
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _check_backend(backend: str, world: int) -> None:
+    if backend not in ("gloo", "nccl"):
+        raise UserError(f"backend {backend!r} is not one of gloo, nccl.")
+    if backend == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else world
+        if gpus < local:
+            raise UserError(f"--backend nccl needs {local} GPU(s) on this machine and it has {gpus}; "
+                            "use --backend gloo.")
+
+
+def run(program: SPMDProgram, backend: str = "gloo", *, check: bool = False, seed: int = 0,
+        inference: bool | None = None, timeout_s: float = 60.0, fault: Fault | None = None,
+        model=None) -> RunResult:
+    """Run ``program`` on ``world_size`` real ranks; see the module docstring."""
+    return run_many([program], backend, check=check, seed=seed, inference=inference,
+                    timeout_s=timeout_s, fault=fault, models=[model])[0]
+
+
+def run_many(programs: Sequence[SPMDProgram], backend: str = "gloo", *, check: bool = False, seed: int = 0,
+             inference: bool | None = None, timeout_s: float = 60.0, fault: Fault | None = None,
+             models: Sequence | None = None) -> list[RunResult]:
+    """Run several programs of one world size in one launch (one process per rank for all)."""
+    if not programs:
+        return []
+    world = programs[0].world_size
+    if any(p.world_size != world for p in programs):
+        raise UserError("programs run together must share a world size.")
+    for p in programs:
+        if inference is not None and inference == p.traced.train:
+            raise UserError(f"the program was lowered for {'training' if p.traced.train else 'inference'}; "
+                            "trace it again for the other mode.")
+    if fault is not None and not 0 <= fault.rank < world:
+        raise UserError(f"fault rank {fault.rank} is outside the world of {world}.")
+    _check_backend(backend, world)
+    models = list(models) if models is not None else [None] * len(programs)
+    datas = [make_step_data(p, seed, m) for p, m in zip(programs, models, strict=True)]
+    t0 = time.perf_counter()
+    if under_torchrun():
+        ranks = _run_torchrun(programs, datas, backend, fault, timeout_s)
+        if ranks is None:  # not rank 0: it only contributed its pieces
+            return []
+        refs = [reference(p, d) for p, d in zip(programs, datas, strict=True)] if check else None
+    else:
+        ranks, refs = _launch_local(programs, datas, backend, world, fault, timeout_s, check)
+    wall = time.perf_counter() - t0
+    return [_result(i, p, ranks, backend, wall, refs[i] if refs else None) for i, p in enumerate(programs)]
+
+
+def _launch_local(programs, datas, backend: str, world: int, fault: Fault | None, timeout_s: float,
+                  check: bool):
+    ctx = mp.get_context("fork")  # children inherit the lowered programs: nothing to pickle or re-import
+    store = dist.TCPStore(LOCALHOST, 0, world + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, name=f"shardwise-rank{r}", daemon=True,
+                         args=(r, world, store.port, backend, programs, datas, fault,
+                               timeout_s * PG_TIMEOUT_SHARE, results))
+             for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.start()
+        refs = [reference(p, d) for p, d in zip(programs, datas, strict=True)] if check else None
+        ranks = _collect(results, procs, world, deadline, timeout_s)
+    finally:
+        _kill_all(procs)
+        del store
+    return ranks, refs
+
+
+def _collect(results, procs, world: int, deadline: float, timeout_s: float) -> list[_RankOutput]:
+    """Wait for every rank's report; on the first error (or the deadline) raise ``RunError``."""
+    done: dict[int, _RankOutput] = {}
+    errors: dict[int, tuple[str, str]] = {}
+    grace_end: float | None = None
+    while len(done) + len(errors) < world:
+        now = time.monotonic()
+        limit = deadline if grace_end is None else min(deadline, grace_end)
+        if now >= limit:
+            break
+        try:
+            msg = results.get(timeout=min(0.2, limit - now))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                    and r not in done and r not in errors]
+            for r in dead:  # killed without a word (out of memory, a signal)
+                errors[r] = (f"exited with code {procs[r].exitcode}", "")
+                grace_end = grace_end or time.monotonic() + FAILURE_GRACE_S
+            continue
+        if msg[0] == "ok":
+            done[msg[1]] = _from_bytes(msg[2])
+        else:
+            errors[msg[1]] = (msg[2], msg[3])
+            grace_end = grace_end or time.monotonic() + FAILURE_GRACE_S
+    if errors:
+        first = _primary_error(errors)
+        rank, (text, _) = first, errors[first]
+        others = sorted(r for r in range(world) if r not in done and r not in errors)
+        tail = f"; rank(s) {', '.join(map(str, others))} did not finish" if others else ""
+        raise RunError(f"rank {rank} failed: {text}{tail}.", rank)
+    if len(done) < world:
+        missing = sorted(r for r in range(world) if r not in done)
+        raise RunError(f"rank {missing[0]} did not finish within {timeout_s:g} s (hung); "
+                       f"unfinished ranks: {', '.join(map(str, missing))}.", missing[0])
+    return [done[r] for r in range(world)]
+
+
+def _primary_error(errors: dict[int, tuple[str, str]]) -> int:
+    """The rank whose error came first in cause: not a peer-lost or timeout error when possible."""
+    own = [r for r, (text, tb) in errors.items() if not any(m in text or m in tb for m in _PEER_ERROR_MARKERS)]
+    return min(own) if own else min(errors)
+
+
+def _kill_all(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def _run_torchrun(programs, datas, backend: str, fault: Fault | None, timeout_s: float) -> list[_RankOutput] | None:
+    """This process is one rank of a torchrun job: run it; rank 0 gathers every rank's pieces."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != programs[0].world_size:
+        raise UserError(f"torchrun started {world} processes but the plan's mesh has "
+                        f"{programs[0].world_size} devices.")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        mine = _run_rank(programs, datas, backend, rank, fault)
+        gathered: list[_RankOutput | None] = [None] * world if rank == 0 else None
+        # Gathered over a CPU (gloo) group so NCCL jobs need no device copies of Python objects.
+        cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+        dist.gather_object(mine, gathered, dst=0, group=cpu_group)
+    finally:
+        dist.destroy_process_group()
+    return list(gathered) if rank == 0 else None
+
+
+def _result(i: int, program: SPMDProgram, ranks: list[_RankOutput], backend: str, wall: float,
+            ref) -> RunResult:
+    world = program.world_size
+    coords = [program.coordinate(r) for r in range(world)]
+    outputs: list[torch.Tensor | None] = []
+    for j, lay in enumerate(program.outputs):
+        if lay is None:
+            outputs.append(None)
+            continue
+        outputs.append(lay.assemble({coords[r]: ranks[r].outputs[i][j] for r in range(world)}))
+    traced = program.traced
+    loss = outputs[0].item() if traced.train and outputs and outputs[0] is not None else None
+    grads: dict[str, torch.Tensor] = {}
+    if traced.train:
+        grad_at = {name: k for k, name in enumerate(program.output_names())}
+        grads = {p: outputs[grad_at[g]] for p, g in traced.grads.items() if g in grad_at}
+    rank_counts = [r.counts[i] for r in ranks]
+    res = RunResult(world_size=world, backend=backend, train=traced.train, loss=loss, outputs=outputs,
+                    grads=grads, measured=rank_counts[0], lowered=count_graph(program.gm),
+                    predicted=dict(program.plan.collectives), wall_s=wall, rank_measured=rank_counts)
+    if ref is not None:
+        ref_outs, ref_grads = ref
+        pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        if traced.train:
+            pairs.append(("loss", outputs[0], ref_outs[0]))
+            pairs += [(f"grad {k}", grads[k], ref_grads[k]) for k in ref_grads if k in grads]
+            res.loss_ref = ref_outs[0].item()
+        else:
+            pairs += [(f"output {j}", o, r) for j, (o, r) in enumerate(zip(outputs, ref_outs, strict=False))
+                      if o is not None and r is not None]
+        errs = [(rel_err(a, b), name) for name, a, b in pairs]
+        res.max_rel_err, res.worst = max(errs) if errs else (0.0, None)
+    return res
+
+
+def world_of(mesh_shape: Sequence[int]) -> int:
+    return math.prod(mesh_shape)
