@@ -272,6 +272,13 @@ def test_collective_and_its_wait_are_one_kernel():
     assert len(s.segments[1].nodes) == 2
     assert_well_formed(s)
 
+    def two(x):
+        r = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", group))
+        return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(r, "sum", group))
+
+    s = segment(fx_graph(two, (N,)))
+    assert [seg.cls for seg in s.segments] == [SegClass.COLLECTIVE, SegClass.COLLECTIVE]
+
 
 # --- bad input ---------------------------------------------------------------------------------
 

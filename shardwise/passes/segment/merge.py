@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from shardwise.ir.match import is_wait
 from shardwise.passes.segment.classify import (
     SegClass,
     is_collective,
@@ -111,7 +112,7 @@ def initial_groups(graph: fx.Graph, forwarded: Forwarding) -> list[Group]:
         if n.op != "call_function" or n in forwarded:
             continue
         src = n.all_input_nodes[0] if n.all_input_nodes else None
-        joins_producer = src in owner and (is_getitem(n) or (is_collective(n) and is_collective(src)))
+        joins_producer = src in owner and (is_getitem(n) or (is_wait(n) and is_collective(src)))
         if joins_producer:  # a tuple's getitem, a collective's wait: never apart from their producer
             owner[n] = owner[src]
             owner[n].nodes.append(n)
