@@ -109,8 +109,11 @@ def trace(
     ``model`` may hold real or fake parameters; the trace itself always runs on fake tensors.
     In training mode the model's forward must return a scalar loss.
     """
-    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad or not train]
+    # Every parameter is a placeholder; a training step differentiates the trainable ones
+    # (frozen ones get no gradient output: None in their slot).
+    named = list(model.named_parameters())
     names = [k for k, _ in named]
+    trainable = [train and p.requires_grad for _, p in named]
     mode = fake_mode or _mode_of([p for _, p in named], example_inputs) or FakeTensorMode()
     params = [_to_fake(mode, p) for _, p in named]
     inputs = [_to_fake(mode, x) for x in example_inputs]
@@ -125,12 +128,13 @@ def trace(
             return tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if not (isinstance(out, torch.Tensor) and out.dim() == 0):
             raise UserError("a training trace needs a model whose forward returns a scalar loss.")
-        grads = torch.autograd.grad(out, ps, allow_unused=True)
-        return (out, *grads)
+        wrt = [p for p, t in zip(ps, trainable, strict=True) if t]
+        grads = iter(torch.autograd.grad(out, wrt, allow_unused=True) if wrt else ())
+        return (out, *[next(grads) if t else None for t in trainable])
 
     with mode:
         if train:
-            params = [p.detach().requires_grad_(True) for p in params]
+            params = [p.detach().requires_grad_(t) for p, t in zip(params, trainable, strict=True)]
         # A lazy GraphModule generates its Python code on first call, not on every recompile():
         # tracing and canonicalising a 7,500-node graph would otherwise regenerate and compile
         # its code once per pass (seconds each at 32 layers) for a graph nobody runs here.

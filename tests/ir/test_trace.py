@@ -1,0 +1,132 @@
+"""Tracing: the joint graph's bookkeeping (params, grads, phases), fake tensors, and a 70B model
+traced without its weights."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from shardwise.errors import UserError
+from shardwise.ir.trace import Phase, trace, trace_model
+from shardwise.models import get_model
+
+GIB = 2**30
+RSS_UNIT = 1024  # ru_maxrss is in KiB on Linux
+RSS_BUDGET = 4 * GIB
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return trace_model("llama-tiny", layers=1)
+
+
+def placeholders(gm):
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def test_params_map_to_leading_placeholders_in_named_order(tiny):
+    module = get_model("llama-tiny", layers=1).build_module()
+    names = [k for k, _ in module.named_parameters()]
+    ph = placeholders(tiny.gm)
+    assert list(tiny.params) == names
+    assert [tiny.params[k] for k in names] == [n.name for n in ph[: len(names)]]
+    assert tiny.inputs == [n.name for n in ph[len(names):]] and len(tiny.inputs) == 2
+    shapes = dict((k, tuple(p.shape)) for k, p in module.named_parameters())
+    for k, node_name in tiny.params.items():
+        val = tiny.node(node_name).meta["val"]
+        assert isinstance(val, FakeTensor) and tuple(val.shape) == shapes[k]
+    assert tiny.param_of_placeholder()[tiny.params["output.weight"]] == "output.weight"
+
+
+def test_every_param_has_a_backward_gradient_of_its_shape(tiny):
+    assert set(tiny.grads) == set(tiny.params)
+    for k, g in tiny.grads.items():
+        node = tiny.node(g)
+        assert tiny.phase(node) is Phase.BACKWARD, k
+        assert node.meta["val"].shape == tiny.node(tiny.params[k]).meta["val"].shape, k
+
+
+def test_loss_is_a_forward_scalar_and_phases_split_the_graph(tiny):
+    loss = tiny.node(tiny.loss)
+    assert loss.meta["val"].dim() == 0 and tiny.phase(loss) is Phase.FORWARD
+    fwd = {n for n in tiny.gm.graph.nodes if tiny.phase(n) is Phase.FORWARD}
+    bwd = [n for n in tiny.gm.graph.nodes if tiny.phase(n) is Phase.BACKWARD and n.op != "output"]
+    assert fwd and bwd
+    # forward nodes never read backward ones
+    assert all(tiny.phase(i) is Phase.FORWARD for n in fwd for i in n.all_input_nodes)
+    # the backward holds the gradient matmuls and the sdpa backward
+    assert any("backward" in str(n.target) for n in bwd)
+
+
+def test_graph_is_functional_and_every_tensor_node_has_a_fake_value(tiny):
+    for n in tiny.gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            assert not n.target._schema.is_mutable, n.format_node()
+        if n.op in ("placeholder", "call_function"):
+            assert "val" in n.meta, n.format_node()
+
+
+def test_inference_trace_is_forward_only():
+    traced = trace_model("llama-tiny", layers=1, train=False)
+    assert traced.grads == {} and traced.loss is None
+    (out,) = traced.outputs
+    assert tuple(traced.node(out).meta["val"].shape) == (4, 16, 256)
+    assert all(traced.phase(n) is Phase.FORWARD for n in traced.gm.graph.nodes)
+    assert len(traced.inputs) == 1
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.frozen = nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.frozen(self.lin(x)).pow(2).mean()
+
+
+def test_trace_real_module_leaves_it_untouched_and_skips_frozen_params():
+    torch.manual_seed(0)
+    model = _Tiny()
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    x = torch.randn(2, 5, 4)
+    traced = trace(model, x)
+    # frozen parameters are placeholders too, but get no gradient
+    assert list(traced.params) == ["lin.weight", "lin.bias", "frozen.weight", "frozen.bias"]
+    assert set(traced.grads) == {"lin.weight", "lin.bias"}
+    for k, p in model.named_parameters():
+        assert not isinstance(p, FakeTensor) and torch.equal(p, before[k])
+        assert p.grad is None
+    # the graph computes the eager loss and grads on the real values
+    loss, gw, gb, *frozen = traced.gm(*[p.detach() for p in model.parameters()], x)
+    assert frozen == [None, None]
+    ref = model(x)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(gw, model.lin.weight.grad)
+    torch.testing.assert_close(gb, model.lin.bias.grad)
+
+
+def test_training_trace_needs_a_scalar_loss():
+    with pytest.raises(UserError, match="scalar loss"):
+        trace(nn.Linear(4, 3), torch.randn(2, 4))
+
+
+@pytest.mark.slow
+def test_llama3_70b_traces_all_80_layers_without_allocating_weights():
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RSS_UNIT
+    # Forward only: the weights (140 GB in bf16) are the same as in training; the benchmark
+    # (benchmarks/trace.py) measures the training trace's peak RSS.
+    traced = trace_model("llama3-70b", train=False, batch=1, seq=128)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RSS_UNIT - rss0
+    assert grown < RSS_BUDGET
+    n_params = sum(traced.node(p).meta["val"].numel() for p in traced.params.values())
+    assert n_params > 70e9
+    layers = {k.split(".")[1] for k in traced.params if k.startswith("layers.")}
+    assert len(layers) == 80
+    assert all(traced.node(p).meta["val"].dtype is torch.bfloat16 for p in traced.params.values())
