@@ -31,7 +31,7 @@ def load_config(path: str, *, layers: int | None = None):
     try:
         raw = json.loads(p.read_text())
     except FileNotFoundError:
-        raise UserError(f"hf config file {path!r} does not exist; pass hf:path/to/config.json") from None
+        raise UserError(f"hf config file {path!r} does not exist; pass hf:path/to/config.json.") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"hf config file {path!r} cannot be read ({e.__class__.__name__}).") from None
     except json.JSONDecodeError as e:
