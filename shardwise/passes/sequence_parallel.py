@@ -19,7 +19,8 @@ ordered rules, on canonical norms (``passes/norms.py``)::
 
 P1 runs first, then P2, then P3 (P3 reads residuals that P2 leaves local). The sequence dim is 1
 of ``[B, S, H]`` and 0 of ``[S, H]`` / ``[B*S, H]``; a scatter or gather along dim 1 has the
-split/cat form ``torch.distributed._functional_collectives`` produces. A ``[1, S, H]`` and an
+split/cat form ``torch.distributed._functional_collectives`` produces, except for ``B = 1`` where
+it runs on dim 0 of an ``[S, H]`` view (no copy). A ``[1, S, H]`` and an
 ``[S, H]`` value split the same way, and a reshape repairs the shape where a graph dropped the
 size-1 batch dim.
 
@@ -309,27 +310,42 @@ class Cursor:
         return self.call(aten.reshape.default, (value, list(to)), meta_from)
 
 
+def _leading_ones(full: tuple[int, ...], dim: int) -> bool:
+    """Every dim before ``dim`` has size 1: splitting on ``dim`` is splitting on 0 of a view."""
+    return all(d == 1 for d in full[:dim])
+
+
 def emit_reduce_scatter(cur: Cursor, value: fx.Node, dim: int, parts: int, group: str,
                         meta_from: fx.Node) -> fx.Node:
-    """``reduce_scatter(value, sum)`` along ``dim``: split on ``dim`` and cat on 0 first when
-    ``dim`` is not 0 (the functional-collectives form). Returns the wait."""
-    if dim != 0:
-        split = cur.call(aten.split.Tensor, (value, shape(value)[dim] // parts, dim), meta_from)
+    """``reduce_scatter(value, sum)`` along ``dim``. With only size-1 dims before ``dim`` it runs on
+    dim 0 of a view (no copy); otherwise it splits on ``dim`` and cats on 0 first (the
+    functional-collectives form). Returns this rank's slice in ``value``'s rank."""
+    full = shape(value)
+    local = (*full[:dim], full[dim] // parts, *full[dim + 1:])
+    if dim != 0 and _leading_ones(full, dim):
+        value = cur.reshape(value, full[dim:], meta_from)
+    elif dim != 0:
+        split = cur.call(aten.split.Tensor, (value, full[dim] // parts, dim), meta_from)
         items = [cur.call(operator.getitem, (split, i), meta_from) for i in range(parts)]
         value = cur.call(aten.cat.default, (items,), meta_from)
     rs = cur.call(c10d.reduce_scatter_tensor.default, (value, SUM, parts, group), meta_from)
-    return cur.call(c10d.wait_tensor.default, (rs,), meta_from)
+    return cur.reshape(cur.call(c10d.wait_tensor.default, (rs,), meta_from), local, meta_from)
 
 
 def emit_all_gather(cur: Cursor, value: fx.Node, dim: int, parts: int, group: str,
                     meta_from: fx.Node) -> fx.Node:
-    """``all_gather(value)`` along ``dim``: gathered on 0, then split into the ranks' blocks and
-    cat on ``dim`` when ``dim`` is not 0. Returns the full value."""
+    """``all_gather(value)`` along ``dim``: on dim 0 of a view when only size-1 dims come before
+    ``dim``, else gathered on 0, split into the ranks' blocks and cat on ``dim``."""
+    local = shape(value)
+    full = (*local[:dim], local[dim] * parts, *local[dim + 1:])
+    flat = dim != 0 and _leading_ones(local, dim)
+    if flat:
+        value = cur.reshape(value, local[dim:], meta_from)
     ag = cur.call(c10d.all_gather_into_tensor.default, (value, parts, group), meta_from)
     wait = cur.call(c10d.wait_tensor.default, (ag,), meta_from)
-    if dim == 0:
-        return wait
-    split = cur.call(aten.split.Tensor, (wait, shape(value)[0]), meta_from)
+    if dim == 0 or flat:
+        return cur.reshape(wait, full, meta_from)
+    split = cur.call(aten.split.Tensor, (wait, local[0]), meta_from)
     items = [cur.call(operator.getitem, (split, i), meta_from) for i in range(parts)]
     return cur.call(aten.cat.default, (items, dim), meta_from)
 

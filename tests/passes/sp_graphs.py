@@ -109,7 +109,8 @@ def max_rel_err(a, b) -> float:
 
 # --- small hand-built graphs, one per rule ----------------------------------------------------
 
-def spmd_inputs(fn: Callable, shapes: list[tuple[int, ...]], ranks: int, seed: int = 0) -> list[list[torch.Tensor]]:
+def spmd_inputs(fn: Callable, shapes: list[tuple[int, ...]], ranks: int,
+                seed: int = 0) -> list[list[torch.Tensor]]:
     """Per-rank random inputs for ``fn``: parameters named ``p*`` are partial sums (different on
     every rank), the others (weights) are replicated (equal on every rank)."""
     import inspect
@@ -165,14 +166,14 @@ def p3_add_fn(group: str):
 
 
 def mixed_2d3d_fn(group: str, batch: int, seq: int):
-    """Residual stream kept 2-D [S, H] (batch 1 dropped) while norms see [1, S, H]: the residual
-    is repaired with a view."""
+    """A residual stream kept 2-D ([S, H], batch 1 dropped) meets a norm on [1, S, H]: the
+    residual slice is repaired with a view."""
     def f(p0, p1, w):
         h2 = all_reduce(p0, group)  # [S, H]
-        normed = sw.rms_norm(h2.view(batch, seq, -1), w, EPS)
-        normed, h3 = sw.add_rms_norm2(all_reduce(p1 * normed.view(seq, -1), group).view(batch, seq, -1),
-                                      h2.view(batch, seq, -1), w, EPS)
-        return normed, h3
+        normed = sw.rms_norm(h2, w, EPS)
+        normed, s2 = sw.add_rms_norm2(all_reduce(p1 * normed, group), h2, w, EPS)
+        x3 = all_reduce(p1 * normed, group).view(batch, seq, -1)
+        return sw.add_rms_norm(x3, s2.view(batch, seq, -1), w, EPS)
     return f
 
 
