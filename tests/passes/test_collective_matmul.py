@@ -224,3 +224,36 @@ def test_unknown_impl_is_a_user_error() -> None:
     gm = g.trace_case(g.CASES[2], 2)
     with pytest.raises(UserError, match="impl"):
         cm.apply(gm, impl="fastest")
+
+
+# --- cost: the fused op is priced with overlap ---------------------------------------------------
+
+def test_overlapped_time_is_max_of_comm_and_compute_plus_one_chunk() -> None:
+    from shardwise.cost.overlap import overlapped_time
+
+    world = 4
+    # Compute-bound: every hop hides behind a chunk's matmul; total = the matmuls.
+    assert overlapped_time(1.0, 0.3, world) == pytest.approx(4.0)
+    # Communication-bound: the hops, plus the last chunk's matmul that nothing hides.
+    assert overlapped_time(0.1, 3.0, world) == pytest.approx(3.0 + 0.1)
+    assert overlapped_time(0.5, 1.0, 1) == pytest.approx(1.5)  # no ring, no overlap
+
+
+@pytest.mark.parametrize("name", ["ag0_matmul", "matmul_rs1"])
+def test_fused_node_priced_between_max_and_sum_on_h100(name: str) -> None:
+    from shardwise.cost.hardware import get_hardware
+    from shardwise.cost.overlap import fused_node_estimate
+
+    ensure_fake_world(8)
+    hw = get_hardware("h100")
+    big = 4096
+    case = next(c for c in g.CASES if c.name == name)
+    shapes = [(big // 8, big), (big, big)] if name.startswith("ag") else [(big, big), (big, big)]
+    gm = g.make_fx(case.fn, tracing_mode="fake")(*(torch.empty(s, dtype=torch.bfloat16) for s in shapes))
+    assert cm.apply(gm) == 1
+    (node,) = _fused(gm)
+    est = fused_node_estimate(node, hw)
+    assert est is not None and est.comm_s > 0 and est.compute_s > 0
+    assert max(est.comm_s, est.compute_s) <= est.time_s < est.unfused_s
+    assert est.time_s <= max(est.comm_s, est.compute_s) + est.chunk_compute_s * (1 + 1e-9)
+    assert fused_node_estimate(next(iter(gm.graph.nodes)), hw) is None  # a placeholder
