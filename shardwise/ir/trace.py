@@ -188,8 +188,13 @@ def trace_model(
     batch: int | None = None,
     seq: int | None = None,
     dtype: str | torch.dtype | None = None,
+    stamp_layers: bool = True,
 ) -> Traced:
-    """Build a named model on fake tensors and trace it (see ``shardwise.models.get_model``)."""
+    """Build a named model on fake tensors and trace it (see ``shardwise.models.get_model``).
+
+    ``stamp_layers``: trace two of the built-in llama's identical layers and copy the others'
+    nodes (same graph, many times faster); False traces every layer.
+    """
     from shardwise.models import get_model
 
     spec = get_model(name, layers=layers, batch=batch, seq=seq, dtype=dtype)
@@ -199,4 +204,14 @@ def trace_model(
         if not train:
             module.eval()
     inputs = spec.example_inputs(train)
+    if stamp_layers:
+        from shardwise.ir.stamp import trace_stacked
+        from shardwise.models.llama import Llama
+
+        if isinstance(module, Llama):
+            # Identical decoder layers: trace two, stamp the rest (see ir/stamp.py); None when
+            # the graph does not allow it, and then the whole model is traced.
+            stamped = trace_stacked(module, "layers", inputs, train=train, fake_mode=mode, model_name=name)
+            if stamped is not None:
+                return stamped
     return trace(module, *inputs, train=train, fake_mode=mode, model_name=name)

@@ -8,11 +8,12 @@ import resource
 import pytest
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from shardwise.errors import UserError
 from shardwise.ir.trace import Phase, trace, trace_model
 from shardwise.models import get_model
+from tests.helpers import real_inputs_for
 
 GIB = 2**30
 RSS_UNIT = 1024  # ru_maxrss is in KiB on Linux
@@ -117,16 +118,52 @@ def test_training_trace_needs_a_scalar_loss():
         trace(nn.Linear(4, 3), torch.randn(2, 4))
 
 
-@pytest.mark.slow
 def test_llama3_70b_traces_all_80_layers_without_allocating_weights():
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RSS_UNIT
-    # Forward only: the weights (140 GB in bf16) are the same as in training; the benchmark
-    # (benchmarks/trace.py) measures the training trace's peak RSS.
-    traced = trace_model("llama3-70b", train=False, batch=1, seq=128)
+    traced = trace_model("llama3-70b", batch=1, seq=128)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RSS_UNIT - rss0
-    assert grown < RSS_BUDGET
+    assert grown < RSS_BUDGET  # its bf16 weights alone are 140 GB
     n_params = sum(traced.node(p).meta["val"].numel() for p in traced.params.values())
     assert n_params > 70e9
     layers = {k.split(".")[1] for k in traced.params if k.startswith("layers.")}
-    assert len(layers) == 80
+    assert len(layers) == 80 and set(traced.grads) == set(traced.params)
     assert all(traced.node(p).meta["val"].dtype is torch.bfloat16 for p in traced.params.values())
+    mms = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert len(mms) == 3 * (7 * 80 + 1)  # forward, input-grad, weight-grad of every projection
+
+
+def _targets(gm):
+    return [(n.op, str(n.target)) for n in gm.graph.nodes if n.op != "placeholder"]
+
+
+@pytest.mark.parametrize(("layers", "train"), [(4, True), (3, False)])
+def test_stamped_layers_equal_a_full_trace(layers, train):
+    stamped = trace_model("llama-tiny", layers=layers, train=train)
+    full = trace_model("llama-tiny", layers=layers, train=train, stamp_layers=False)
+    # same ops in the same order, same bookkeeping
+    assert _targets(stamped.gm) == _targets(full.gm)
+    assert list(stamped.params) == list(full.params)
+    assert set(stamped.grads) == set(full.grads) and bool(stamped.loss) == bool(full.loss)
+    assert [stamped.phase(n) for n in stamped.gm.graph.nodes] == [full.phase(n) for n in full.gm.graph.nodes]
+    for k in stamped.params:
+        val = stamped.node(stamped.params[k]).meta["val"]
+        assert val.shape == full.node(full.params[k]).meta["val"].shape
+    # and the same values, bit for bit, on real inputs
+    inputs = real_inputs_for(full.gm)
+    for a, b in zip(stamped.gm(*inputs), full.gm(*inputs), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_stamping_refuses_what_it_cannot_rebind():
+    from shardwise.ir.stamp import trace_stacked
+
+    spec = get_model("llama-tiny", layers=3)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        module = spec.build_module()
+    module.layers[1].attention.wq.weight.requires_grad_(False)  # frozen: not stamped
+    assert trace_stacked(module, "layers", spec.example_inputs(True), train=True, fake_mode=mode) is None
+    assert len(module.layers) == 3  # the module is left as it was
+    two = get_model("llama-tiny", layers=2)
+    with mode:
+        small = two.build_module()
+    assert trace_stacked(small, "layers", two.example_inputs(True), train=True, fake_mode=mode) is None
