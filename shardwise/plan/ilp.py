@@ -100,22 +100,29 @@ class _Model:
         self.value.extend(terms.values())
 
 
-def _supply(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[int]], clus: Clustering,
-            node: fx.Node) -> dict[Placements, list[int]]:
+def _supply(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]], clus: Clustering,
+            node: fx.Node, index: int = 0) -> dict[Placements, list[int]]:
     """y[u, p]: the x variables that make ``node`` (through its representative) yield p."""
     r = clus.rep[node]
     st = ns[r]
     if st.alias_of is not None:
         parent, idx = st.alias_of
-        pr = clus.rep[parent]
-        out: dict[Placements, list[int]] = defaultdict(list)
-        for i, s in enumerate(ns[pr].strategies):
-            out[s.output[idx]].append(xs[pr][i])
-        return out
-    out = defaultdict(list)
+        return _supply(ns, xs, clus, parent, idx)
+    out: dict[Placements, list[int]] = defaultdict(list)
     for i, s in enumerate(st.strategies):
-        out[s.output[0]].append(xs[r][i])
+        out[s.output[index]].extend(xs[r][i])
     return out
+
+
+def _strategy_vars(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]], clus: Clustering,
+                   r: fx.Node) -> list[list[int]]:
+    """x[r, s] as a sum of variables: one fresh binary per strategy for a deciding node; for a
+    follower, the producer's variables that yield the placement strategy s reads."""
+    st = ns[r]
+    if st.follows is None:
+        return [[v] for v in xs[r]]
+    supply = _supply(ns, xs, clus, st.follows)
+    return [supply[s.inputs[0]] for s in st.strategies]
 
 
 def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
@@ -126,20 +133,32 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     m = _Model()
     copies = clus.copies()
     reps = [r for r in clus.representatives if r in ns]
-    xs: dict[fx.Node, list[int]] = {}
+    xs: dict[fx.Node, list[list[int]]] = {}
+    deciding: dict[fx.Node, list[int]] = {}
     for r in reps:
         st = ns[r]
         if st.alias_of is not None:
             continue
         n = copies[r]
-        xs[r] = [m.var(n * costs.compute_time(r, s)) for s in st.strategies]
-        m.row(1.0, 1.0, {v: 1.0 for v in xs[r]})
+        if st.follows is None:
+            deciding[r] = [m.var(n * costs.compute_time(r, s)) for s in st.strategies]
+            m.row(1.0, 1.0, {v: 1.0 for v in deciding[r]})
+            xs[r] = [[v] for v in deciding[r]]
+        else:
+            xs[r] = _strategy_vars(ns, xs, clus, r)
+            for s, vs in zip(st.strategies, xs[r], strict=True):
+                c = n * costs.compute_time(r, s)
+                for v in vs:
+                    m.cost[v] += c
 
     # Edges, keyed on representatives and weighted by how many graph edges they stand for.
     weight: dict[tuple[fx.Node, fx.Node, int], int] = defaultdict(int)
     example: dict[tuple[fx.Node, fx.Node, int], fx.Node] = {}
     for v in traced.gm.graph.nodes:
-        if v.op != "call_function" or ns[clus.rep[v]].alias_of is not None:
+        if v.op != "call_function":
+            continue
+        st_v = ns[clus.rep[v]]
+        if st_v.alias_of is not None or st_v.follows is not None:
             continue
         for j, u in enumerate(tensor_args(v)):
             k = (clus.rep[u], clus.rep[v], j)
@@ -167,7 +186,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         else:
             demand = defaultdict(list)
             for i, s in enumerate(ns[v].strategies):
-                demand[s.inputs[j]].append(xs[v][i])
+                demand[s.inputs[j]].extend(xs[v][i])
         if len(supply) == 1 and list(supply) == list(demand):
             continue  # one placement on both ends: nothing to decide, nothing to pay
         per_p: dict[Placements, dict[int, float]] = defaultdict(dict)
@@ -232,12 +251,12 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     else:
         return IlpResult("infeasible", math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem)
     sol = np.asarray(h.getSolution().col_value)
-    choice = {r: int(np.argmax(sol[v])) for r, v in xs.items()}
+    choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
     return IlpResult(label, float(info.objective_function_value), float(info.mip_gap), choice, nv, nr,
                      build_s, solve_s, min_mem)
 
 
-def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[int]],
+def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],
                   clus: Clustering, costs: PlannerCosts, memory: MemoryModel) -> tuple[dict[int, float], int]:
     """Memory-row coefficients, and the smallest value the row can take (the fully-sharded floor)."""
     terms: dict[int, float] = defaultdict(float)
@@ -251,8 +270,9 @@ def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx
             return
         val = node.meta["val"]
         sizes = [local_bytes(val, s.output[0], costs.mesh_shape) * per_byte for s in ns[r].strategies]
-        for v, b in zip(xs[r], sizes, strict=True):
-            terms[v] += b
+        for vs, b in zip(xs[r], sizes, strict=True):
+            for v in vs:
+                terms[v] += b
         floor += min(sizes)
 
     for n in traced.gm.graph.nodes:

@@ -49,6 +49,7 @@ class NodeStrategies:
     node: fx.Node
     strategies: list[Strategy] = field(default_factory=list)
     alias_of: tuple[fx.Node, int] | None = None  # getitem: (parent, output index)
+    follows: fx.Node | None = None  # strategy i reads its one input in the producer's placement
     fallback: bool = False
 
     def output_choices(self, index: int = 0) -> list[Placements]:
@@ -128,6 +129,20 @@ def _sdpa_cpu_bwd(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMe
         ((Shard(1),) * 3, (Shard(1),) * 6),
     ]
     return _combine_per_mesh_dim(per_dim, mesh.ndim)
+
+
+@register_rule(aten.einsum.default)
+def _einsum(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
+    """The canonical graph's einsums (from ``passes/einsum.py``): DTensor's einsum rule, which it
+    uses internally for mm/bmm but does not register for ``aten.einsum`` itself."""
+    from torch.distributed.tensor._ops._einsum_strategy import gen_einsum_strategies
+
+    equation = node.args[0]
+    out = []
+    for spec in gen_einsum_strategies(equation, mesh).strategies:
+        out.append(Strategy((tuple(spec.output_spec.placements),),
+                            tuple(tuple(s.placements) for s in spec.input_specs)))
+    return out
 
 
 def _combine_per_mesh_dim(per_dim, ndim: int) -> list[Strategy]:
@@ -267,12 +282,34 @@ def enumerate_strategies(gm: fx.GraphModule, mesh: DeviceMesh,
         elif node.target is operator.getitem:
             parent, idx = node.args
             ns.alias_of = (parent, idx)
-            ns.strategies = [Strategy((s.output[idx],), ()) for s in result[parent].strategies]
+            parent_rep = rep.get(parent, parent) if rep is not None else parent
+            ns.strategies = [Strategy((s.output[idx],), ()) for s in result[parent_rep].strategies]
         elif node.op == "call_function":
             ns.strategies = _node_strategies(node, choices, mesh, ns)
+            _make_follower(ns, choices)
         if isinstance(val, torch.Tensor):
             choices[node] = ns.output_choices()
     return result
+
+
+def _make_follower(ns: NodeStrategies, choices: dict[fx.Node, list[Placements]]) -> None:
+    """A node with one tensor input that can read it in every placement its producer may yield
+    takes no decision of its own: it keeps one strategy per producer placement and follows it.
+
+    This is the planner's one restriction of DTensor's space: no redistribution right before a
+    view or single-input op (the same collective then happens after it, on its output).
+    """
+    targs = tensor_args(ns.node)
+    if len(targs) != 1 or ns.fallback:
+        return
+    src = targs[0]
+    by_input: dict[Placements, Strategy] = {}
+    for s in ns.strategies:
+        by_input.setdefault(s.inputs[0], s)
+    if not all(p in by_input for p in choices[src]):
+        return
+    ns.strategies = [by_input[p] for p in choices[src]]
+    ns.follows = src
 
 
 def _node_strategies(node: fx.Node, choices: dict[fx.Node, list[Placements]], mesh: DeviceMesh,

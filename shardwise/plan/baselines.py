@@ -1,0 +1,130 @@
+"""The hand-written plans people use, as constraints on the same ILP.
+
+A baseline fixes what its authors fix — where each parameter lives, how the batch is split, and
+(for the tensor-parallel ones) whether the residual stream around the norms is replicated or
+sharded on the sequence — and the ILP completes the rest at least cost, so a baseline is priced
+by the same cost model as the auto plan and lowered by the same code:
+
+- ``ddp``: every parameter replicated; the batch split over every mesh dim.
+- ``fsdp``: every parameter sharded on dim 0 over every mesh dim; the batch split likewise.
+- ``fsdp_tp``: on ``tp`` Megatron column-parallel (wq/wk/wv/w1/w3, the output head: Shard(0) of
+  the ``[out, in]`` weight), row-parallel (wo/w2: Shard(1)), norms and embeddings replicated,
+  norm outputs replicated; on the other dims FSDP (Shard(0)) with the batch split.
+- ``fsdp_tp_sp``: ``fsdp_tp`` with the norms' outputs sharded on the sequence dim over ``tp``.
+
+A baseline that cannot be expressed on the mesh (no ``tp`` dim, a batch the data-parallel dims
+do not divide, a weight ``tp`` does not divide) is ``None``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.distributed.tensor import Replicate, Shard
+
+from shardwise.ir.match import is_op
+from shardwise.ir.trace import Phase, Traced
+from shardwise.mesh import Mesh
+from shardwise.plan.placement import Placements
+from shardwise.plan.strategies import divides_evenly
+
+BASELINES = ("ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp")
+TP = "tp"
+
+# Megatron roles by parameter-name suffix (built-in llama and HF Llama/Mistral/Qwen2 names).
+COLUMN = re.compile(r"(wq|wk|wv|w1|w3|q_proj|k_proj|v_proj|gate_proj|up_proj|output|lm_head)\.weight$")
+ROW = re.compile(r"(wo|w2|o_proj|down_proj)\.weight$")
+COLUMN_BIAS = re.compile(r"(q_proj|k_proj|v_proj)\.bias$")
+
+aten = torch.ops.aten
+# The ops a decomposed RMSNorm ends in: their outputs are "the norm's output".
+_NORM_OPS = (aten.rsqrt,)
+
+
+@dataclass(frozen=True)
+class BaselineSpec:
+    """Fixed placements: node name -> allowed output placements (a set)."""
+
+    name: str
+    fixed: dict[str, Placements]
+    norm_outputs: Placements | None = None
+
+
+def _tp_role(param: str, ndim: int) -> Placements | None:
+    if COLUMN.search(param) or COLUMN_BIAS.search(param):
+        return (Shard(0),)
+    if ROW.search(param) and ndim == 2:
+        return (Shard(1),)
+    return (Replicate(),)
+
+
+def baseline_spec(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | None:
+    """The fixed placements of baseline ``name`` on ``mesh``, or None when it does not apply."""
+    tp = mesh.dim(TP)
+    uses_tp = name in ("fsdp_tp", "fsdp_tp_sp")
+    if uses_tp and (tp is None or mesh.ndim < 2):
+        return None
+    dp_dims = [i for i in range(mesh.ndim) if not (uses_tp and i == tp)]
+    fixed: dict[str, Placements] = {}
+    for pname, ph in traced.params.items():
+        val = traced.node(ph).meta["val"]
+        per_dim: list = [None] * mesh.ndim
+        for d in dp_dims:
+            per_dim[d] = Replicate() if name == "ddp" else Shard(0)
+        if uses_tp:
+            per_dim[tp] = _tp_role(pname, val.dim())[0]
+        ps = tuple(per_dim)
+        if not divides_evenly(ps, tuple(val.shape), mesh.shape):
+            if name == "ddp" or uses_tp and per_dim[tp] != Replicate():
+                return None
+            # FSDP of a weight the mesh does not divide: keep that one replicated (as FSDP does
+            # for small odd-shaped parameters by padding; we do not pad).
+            ps = tuple(Replicate() if i in dp_dims else p for i, p in enumerate(ps))
+        fixed[ph] = ps
+    for inp in traced.inputs:
+        val = traced.node(inp).meta["val"]
+        ps = tuple(Shard(0) if i in dp_dims else Replicate() for i in range(mesh.ndim))
+        if not divides_evenly(ps, tuple(val.shape), mesh.shape):
+            return None
+        fixed[inp] = ps
+    norm_out = None
+    if uses_tp:
+        norm_out = tuple(Shard(1) if (i == tp and name == "fsdp_tp_sp") else (Shard(0) if i in dp_dims
+                         else Replicate()) for i in range(mesh.ndim))
+    return BaselineSpec(name, fixed, norm_out)
+
+
+def norm_output_nodes(traced: Traced) -> list[fx.Node]:
+    """Forward nodes that compute a norm's normalised value (the multiply after ``rsqrt``, or a
+    shardwise norm op)."""
+    out = []
+    for n in traced.gm.graph.nodes:
+        if traced.phase(n) is not Phase.FORWARD or n.op != "call_function":
+            continue
+        if str(n.target).startswith("shardwise.") and "norm" in str(n.target):
+            out.append(n)
+        elif is_op(n, aten.mul) and any(is_op(a, *_NORM_OPS) for a in n.all_input_nodes):
+            out.append(n)
+    return out
+
+
+def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placements], bool]:
+    """A predicate on (node, output placements) implementing the baseline's fixed choices."""
+    norm_nodes = {n.name for n in norm_output_nodes(traced)} if spec.norm_outputs is not None else set()
+
+    def allowed(node: fx.Node, ps: Placements) -> bool:
+        want = spec.fixed.get(node.name)
+        if want is not None:
+            return ps == want
+        if node.name in norm_nodes:
+            val = node.meta["val"]
+            target = tuple(p if not (isinstance(p, Shard) and p.dim >= val.dim()) else Replicate()
+                           for p in spec.norm_outputs)
+            return ps == target
+        return True
+
+    return allowed

@@ -1,0 +1,229 @@
+"""The planning driver: trace -> clusters -> strategies -> ILP -> Plan, with timings.
+
+``make_plan(traced, mesh)`` gives the auto plan; ``baseline="fsdp"`` (etc.) the best plan that
+keeps a hand-written plan's fixed choices (see ``baselines.py``). Both are priced by the same
+cost model, and ``estimate`` re-prices any plan node by node, which is also how the report's
+collectives and memory are computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.distributed.tensor import Partial, Replicate
+
+from shardwise.cost.hardware import get_hardware
+from shardwise.errors import UserError
+from shardwise.ir.flops import is_view
+from shardwise.ir.trace import Phase, Traced
+from shardwise.mesh import Mesh
+from shardwise.plan.baselines import BaselineSpec, baseline_spec, node_filter
+from shardwise.plan.cluster import Clustering, cluster, no_clustering
+from shardwise.plan.costs import PlannerCosts, local_bytes
+from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, MemoryModel, chosen_strategy, solve
+from shardwise.plan.placement import Placements
+from shardwise.plan.plan import CollectiveCount, Estimate, NodeSpec, Plan, graph_fingerprint, tensor_args
+from shardwise.plan.strategies import NodeStrategies, enumerate_strategies
+
+log = logging.getLogger(__name__)
+# Memory kept free for the framework, allocator fragmentation and communication buffers.
+MEMORY_RESERVE_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """User constraints: parameter name (or input/output placeholder name) -> placements."""
+
+    params: dict[str, Placements]
+    inputs: dict[str, Placements]
+
+
+def default_budget(mesh: Mesh) -> float:
+    return get_hardware(mesh.hardware).mem_capacity * (1.0 - MEMORY_RESERVE_FRACTION)
+
+
+def make_plan(
+    traced: Traced,
+    mesh: Mesh,
+    *,
+    baseline: str | None = None,
+    memory_budget: float | None = None,
+    constraints: Constraints | None = None,
+    clustering: bool = True,
+    time_limit_s: float = 60.0,
+    memory: MemoryModel | None = None,
+) -> Plan | None:
+    """Plan ``traced`` over ``mesh``. Returns None when ``baseline`` does not apply to this mesh."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    spec: BaselineSpec | None = None
+    if baseline is not None:
+        spec = baseline_spec(baseline, traced, mesh)
+        if spec is None:
+            return None
+    budget = default_budget(mesh) if memory_budget is None else memory_budget
+    clus = cluster(traced) if clustering else no_clustering(traced.gm)
+    timings["cluster_s"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    allowed = _placeholder_filter(traced, spec, constraints)
+    ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
+    if spec is not None and spec.norm_outputs is not None:
+        keep = node_filter(spec, traced)
+        for n, st in ns.items():
+            if st.alias_of is None and n.op == "call_function":
+                kept = [s for s in st.strategies if keep(n, s.output[0])]
+                if not kept:
+                    return None
+                if len(kept) < len(st.strategies):
+                    st.strategies, st.follows = kept, None
+    if not traced.train:
+        _no_partial_outputs(traced, ns, clus)
+    for n, st in ns.items():
+        if n.op == "placeholder" and not st.strategies:
+            raise UserError(f"no placement of {n.name} fits the constraints on mesh {mesh}.")
+    timings["strategies_s"] = time.perf_counter() - t
+
+    costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
+    res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s)
+    timings["ilp_build_s"] = res.build_s
+    timings["solve_s"] = res.solve_s
+    if res.status == "infeasible":
+        floor = res.min_memory_bytes
+        plan = Plan(name=baseline or "auto", model=traced.model_name, mesh_shape=mesh.shape,
+                    mesh_names=mesh.names, hardware=mesh.hardware, train=traced.train,
+                    fingerprint=graph_fingerprint(traced.gm), nodes={}, status="infeasible")
+        plan.info = {"memory_budget_bytes": budget, "min_memory_bytes": floor, "timings": timings}
+        return plan
+    specs = {n: chosen_strategy(ns, clus, res.choice, n) for n in traced.gm.graph.nodes if n.op != "output"}
+    plan = Plan(
+        name=baseline or "auto", model=traced.model_name, mesh_shape=mesh.shape, mesh_names=mesh.names,
+        hardware=mesh.hardware, train=traced.train, fingerprint=graph_fingerprint(traced.gm),
+        nodes={n.name: NodeSpec(s.output, s.inputs) for n, s in specs.items()},
+        status=res.status, mip_gap=res.mip_gap,
+    )
+    plan.params = {p: plan.nodes[ph].output[0] for p, ph in traced.params.items()}
+    plan.outputs = _output_placements(traced, plan, mesh)
+    plan.fallback_ops = sorted({str(n.target) for n, st in ns.items() if st.fallback})
+    estimate(traced, plan, costs)
+    timings["total_s"] = time.perf_counter() - t0
+    plan.info = {
+        "objective_s": res.objective_s, "timings": timings, "memory_budget_bytes": budget,
+        "ilp": {"variables": res.n_vars, "constraints": res.n_rows, "clusters": len(clus.clusters),
+                "representatives": len(clus.representatives), "nodes": len(clus.rep)},
+    }
+    if plan.fallback_ops:
+        log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
+    return plan
+
+
+def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: Constraints | None):
+    fixed: dict[str, Placements] = dict(spec.fixed) if spec is not None else {}
+    if constraints is not None:
+        for pname, ps in constraints.params.items():
+            if pname not in traced.params:
+                raise UserError(f"the constraint names parameter {pname!r}, which the model does not have.")
+            fixed[traced.params[pname]] = ps
+        for iname, ps in constraints.inputs.items():
+            if iname not in traced.inputs:
+                raise UserError(f"the constraint names input {iname!r}; inputs are {', '.join(traced.inputs)}.")
+            fixed[iname] = ps
+
+    def allowed(node: fx.Node, ps: Placements) -> bool:
+        want = fixed.get(node.name)
+        return want is None or ps == want
+
+    return allowed
+
+
+def _no_partial_outputs(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering) -> None:
+    """Inference outputs are delivered whole or sharded, never as pending sums."""
+    for name in traced.outputs:
+        r = clus.rep[traced.node(name)]
+        st = ns[r]
+        if st.alias_of is None:
+            kept = [s for s in st.strategies if not any(isinstance(p, Partial) for p in s.output[0])]
+            if kept and len(kept) < len(st.strategies):
+                st.strategies, st.follows = kept, None
+
+
+def _output_placements(traced: Traced, plan: Plan, mesh: Mesh) -> list[Placements]:
+    out_node = next(n for n in reversed(traced.gm.graph.nodes) if n.op == "output")
+    grad_param = {g: p for p, g in traced.grads.items()}
+    result = []
+    for r in out_node.args[0]:
+        if not isinstance(r, fx.Node):
+            continue
+        if traced.train and r.name == traced.loss:
+            result.append((Replicate(),) * mesh.ndim)
+        elif r.name in grad_param:
+            result.append(plan.params[grad_param[r.name]])
+        else:
+            result.append(plan.nodes[r.name].output[0])
+    return result
+
+
+def _edges(traced: Traced):
+    """Every (producer, consumer, argument index) the plan prices, sinks included."""
+    for v in traced.gm.graph.nodes:
+        if v.op == "call_function" and not (v.target.__name__ == "getitem"):
+            for j, u in enumerate(tensor_args(v)):
+                yield u, v, j
+    for pname, gname in traced.grads.items():
+        yield traced.node(gname), traced.node(traced.params[pname]), GRAD_SINK
+    if traced.loss is not None:
+        loss = traced.node(traced.loss)
+        yield loss, loss, LOSS_SINK
+
+
+def estimate(traced: Traced, plan: Plan, costs: PlannerCosts | None = None,
+             memory: MemoryModel | None = None) -> Estimate:
+    """Price ``plan`` node by node: compute, communication, memory; fills plan.collectives."""
+    from shardwise.plan.strategies import Strategy
+
+    costs = costs or PlannerCosts(tuple(plan.mesh_shape), get_hardware(plan.hardware))
+    memory = memory or MemoryModel()
+    mesh_shape = tuple(plan.mesh_shape)
+    est = Estimate()
+    colls: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
+    for n in traced.gm.graph.nodes:
+        spec = plan.nodes.get(n.name)
+        if spec is not None and n.op == "call_function":
+            est.compute_s += costs.compute_time(n, Strategy(spec.output, spec.inputs))
+    for u, v, j in _edges(traced):
+        src = plan.nodes[u.name].output[0]
+        if j == GRAD_SINK:
+            dst = plan.nodes[v.name].output[0]
+        elif j == LOSS_SINK:
+            dst = (Replicate(),) * len(mesh_shape)
+        else:
+            dst = plan.nodes[v.name].inputs[j]
+        if src == dst:
+            continue
+        rc = costs.reshard(src, dst, u.meta["val"])
+        est.comm_s += rc.time_s
+        for c in rc.collectives:
+            colls[c.kind.value] += CollectiveCount(1, c.bytes)
+    ph_params = set(traced.params.values())
+    mem = 0
+    for n in traced.gm.graph.nodes:
+        spec = plan.nodes.get(n.name)
+        val = n.meta.get("val")
+        if spec is None or not isinstance(val, torch.Tensor):
+            continue
+        if n.name in ph_params:
+            per = (2.0 + memory.optimizer_state_bytes / val.element_size()) if traced.train else 1.0
+            mem += local_bytes(val, spec.output[0], mesh_shape) * per
+        elif (traced.train and memory.include_activations and n.op == "call_function" and not is_view(n)
+              and traced.phase(n) is Phase.FORWARD
+              and any(traced.phase(x) is Phase.BACKWARD for x in n.users)):
+            mem += local_bytes(val, spec.output[0], mesh_shape)
+    est.memory_bytes = int(mem)
+    plan.estimate = est
+    plan.collectives = dict(colls)
+    return est
