@@ -311,6 +311,7 @@ def rewrite_gather_matmul(gm: fx.GraphModule, match: GatherMatmulMatch, impl: st
         bs = [_b_operand(graph, m) for m in match.matmuls]
         args = (g.input, bs, g.dim, g.collective.group_name, g.group_size, impl)
         fused = _call(graph, ALL_GATHER_MATMUL, args, like=match.matmuls[0].out)
+        fused.meta.pop("tensor_meta", None)  # describes the matmul's one tensor, not the op's list
         outs = [_output(graph, fused, i + 1, m.out) for i, m in enumerate(match.matmuls)]
         gathered = _call(graph, operator.getitem, (fused, 0), like=g.value_node)
     for m, o in zip(match.matmuls, outs, strict=True):

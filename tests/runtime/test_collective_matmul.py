@@ -112,6 +112,23 @@ def _check_direct_ops(rank: int, group) -> list[tuple[str, float]]:
     return out
 
 
+def _check_tp_llama(rank: int, group) -> tuple[int, int, float]:
+    """The hand-written tensor-parallel llama-tiny forward, after sequence_parallel then
+    collective_matmul: (fusions made, projections, max rel err of the logits vs the original)."""
+    from shardwise.models import get_model
+    from shardwise.passes import collective_matmul as cm
+    from tests.passes import sp_graphs as G
+    from tests.passes.test_sequence_parallel import tp_programs
+
+    ref, gm, _, args = tp_programs("llama-tiny", rank, group.size(), group.group_name)
+    made = cm.apply(gm)
+    layers = get_model("llama-tiny").build_module().cfg.n_layers
+    # Per layer: q/k/v share one all_gather, w1/w3 another; wo and w2 reduce_scatter; plus the
+    # output projection. (The embedding's reduce_scatter follows no matmul.)
+    projections = 4 * layers + 1
+    return made, projections, G.max_rel_err(ref(*args), gm(*args))
+
+
 def _worker(rank: int, world: int, by_size: dict[int, bytes]) -> dict[int, tuple[list, list]]:
     """On a world of 4 ranks: the 4-rank cases on WORLD, the 2-rank cases on a group of ranks 0, 1
     (one spawn for both sizes; a 2-rank group inside a larger world also checks that the ring
@@ -125,10 +142,13 @@ def _worker(rank: int, world: int, by_size: dict[int, bytes]) -> dict[int, tuple
         if rank < size:
             out[size] = (_check_cases(rank, group, cases), _check_direct_ops(rank, group))
         dist.barrier()
+    if rank < TP_LLAMA_RANKS:
+        out["llama"] = _check_tp_llama(rank, groups[TP_LLAMA_RANKS])
     return out
 
 
 WORLDS = (2, 4)
+TP_LLAMA_RANKS = 2  # one TP size is enough here; the other size is the sequence-parallel test's
 
 
 @pytest.mark.slow
@@ -144,6 +164,9 @@ def test_fused_programs_match_unfused_on_gloo() -> None:
                 assert err_unfused <= MAX_REL_ERR, (world, rank, name, err_unfused)
             for name, err in direct:
                 assert err <= MAX_REL_ERR, (world, rank, name, err)
+    for rank in range(TP_LLAMA_RANKS):
+        made, projections, err = per_rank[rank]["llama"]
+        assert made == projections and err <= MAX_REL_ERR, (rank, made, projections, err)
 
 
 def test_impl_switch_context_manager_wins_over_the_recorded_impl() -> None:
