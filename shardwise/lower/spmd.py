@@ -31,8 +31,8 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from unittest import mock
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,8 @@ from shardwise.plan.plan import CollectiveCount, Plan, graph_fingerprint, tensor
 
 log = logging.getLogger(__name__)
 
+# ``SPMDProgram.node_collectives`` key of the collectives that deliver the graph's outputs.
+OUTPUT_KEY = "<output>"
 _MESH_GET_GROUP = torch.ops._dtensor.mesh_get_process_group.default
 
 
@@ -150,6 +152,9 @@ class SPMDProgram:
     group_dims: dict[str, int] = field(default_factory=dict)  # group name -> mesh dim
     unplanned: list[str] = field(default_factory=list)
     local_ops: list[str] = field(default_factory=list)
+    # Collectives the lowering emitted for each node of the canonical graph (its inputs' and its
+    # output's redistributions): where to look when the totals disagree with the plan.
+    node_collectives: dict[str, dict[str, CollectiveCount]] = field(default_factory=dict)
     passes: list[str] = field(default_factory=list)
     rewrites: dict[str, int] = field(default_factory=dict)
     model: object | None = None  # the ModelSpec the graph was traced from, when known (runtime)
@@ -245,6 +250,7 @@ class _Lowerer(fx.Interpreter):
         self.unplanned: list[str] = []
         self.local_ops: set[str] = set()
         self.placed: dict[str, tuple[Placements, ...]] = {}
+        self.node_comm: dict[str, dict[str, CollectiveCount]] = {}
 
     # -- placement helpers ------------------------------------------------------------------
 
@@ -258,9 +264,31 @@ class _Lowerer(fx.Interpreter):
         if not isinstance(v, torch.Tensor):
             return v
         v = self._as_dtensor(v)
-        if want is not None and tuple(v.placements) != tuple(want):
+        if want is None or tuple(v.placements) == tuple(want):
+            return v
+        v = self._to_partial(v, tuple(want))
+        if tuple(v.placements) != tuple(want):
             v = v.redistribute(self.mesh, want)
         return v
+
+    def _to_partial(self, v: DTensor, want: Placements) -> DTensor:
+        """Make the mesh dims where ``want`` is ``Partial`` partial, locally (DTensor refuses a
+        redistribution to Partial). From a replicated value: ``sum`` keeps ``1/n`` on each rank
+        (DTensor's own ``_partition_value``), ``avg``/``max``/``min`` keep the value."""
+        cur = tuple(v.placements)
+        dims = [i for i, (c, w) in enumerate(zip(cur, want, strict=True))
+                if isinstance(w, Partial) and c != w]
+        if not dims:
+            return v
+        mid = tuple(Replicate() if i in dims else c for i, c in enumerate(cur))
+        if mid != cur:
+            v = v.redistribute(self.mesh, mid)
+        local = v.to_local()
+        for i in dims:
+            if want[i].reduce_op == "sum":
+                local = local / self.mesh.size(i)
+        new = tuple(want[i] if i in dims else p for i, p in enumerate(mid))
+        return DTensor.from_local(local, self.mesh, new, run_check=False, shape=v.shape, stride=v.stride())
 
     def _conform(self, node: fx.Node, v: object, want: Placements | None) -> object:
         """Bring an op's result to the plan's output placement (noting when that costs a move)."""
@@ -269,14 +297,35 @@ class _Lowerer(fx.Interpreter):
         d = self._as_dtensor(v)
         if want is not None and tuple(d.placements) != tuple(want):
             if isinstance(v, DTensor):
-                self.unplanned.append(f"{node.name}: {placements_str(d.placements)} -> {placements_str(want)}")
+                self.unplanned.append(
+                    f"{node.name}: {placements_str(d.placements)} -> {placements_str(want)}")
                 log.debug("%s came out as %s, plan says %s", node.format_node(), d.placements, want)
             d = d.redistribute(self.mesh, want)
         return d
 
+    def place_output(self, v: torch.Tensor, sink: Placements | None) -> DTensor:
+        """A graph output brought to its sink placement (the plan prices this edge)."""
+        from shardwise.runtime.counter import CollectiveCounter
+
+        with CollectiveCounter() as counter:
+            out = self._place(v, sink)
+        for k, c in counter.counts.items():
+            acc = self.node_comm.setdefault(OUTPUT_KEY, {})
+            acc[k] = acc.get(k, CollectiveCount()) + c
+        return out
+
     # -- nodes ------------------------------------------------------------------------------
 
     def run_node(self, n: fx.Node) -> object:
+        from shardwise.runtime.counter import CollectiveCounter
+
+        with CollectiveCounter() as counter:
+            out = self._run_node(n)
+        if counter.counts:
+            self.node_comm[n.name] = counter.counts
+        return out
+
+    def _run_node(self, n: fx.Node) -> object:
         if n.op == "placeholder":
             return super().run_node(n)
         if n.op == "get_attr":
@@ -311,7 +360,8 @@ class _Lowerer(fx.Interpreter):
             out = self.call_function(n.target, args, kwargs) if n.op == "call_function" else \
                 getattr(self, n.op)(n.target, args, kwargs)
         out = self._conform_all(n, out, want_out)
-        self.placed[n.name] = tuple(tuple(x.placements) for x in tree_flatten(out)[0] if isinstance(x, DTensor))
+        self.placed[n.name] = tuple(tuple(x.placements) for x in tree_flatten(out)[0]
+                                    if isinstance(x, DTensor))
         return out
 
     def _conform_all(self, n: fx.Node, out: object, want_out: list[Placements]) -> object:
@@ -399,7 +449,8 @@ def check_plan(traced: Traced, plan: Plan) -> None:
     """Refuse a plan made for another graph (naming the model and mesh it was made for)."""
     if plan.fingerprint != graph_fingerprint(traced.gm):
         raise UserError(f"the plan was made for another graph (model {plan.model!r}, mesh "
-                        f"{'x'.join(map(str, plan.mesh_shape))}, {'training' if plan.train else 'inference'}); "
+                        f"{'x'.join(map(str, plan.mesh_shape))}, "
+                        f"{'training' if plan.train else 'inference'}); "
                         "plan this graph again.")
 
 
@@ -423,6 +474,8 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
     lowerer = _Lowerer(traced.gm, plan, device_mesh, device)
     out_node = next(n for n in reversed(traced.gm.graph.nodes) if n.op == "output")
     out_nodes = list(out_node.args[0])
+    sinks = output_sinks(traced, plan)
+    final: dict[int, Placements] = {}
 
     def step(*local: torch.Tensor) -> list[torch.Tensor | None]:
         placed = [DTensor.from_local(t, device_mesh, lay.placements, run_check=False, shape=lay.shape,
@@ -430,12 +483,12 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
                   for t, lay in zip(local, layouts, strict=True)]
         outs = lowerer.run(*placed)
         res = []
-        for node, v in zip(out_nodes, outs, strict=True):
-            if isinstance(v, DTensor):
-                res.append(v.to_local())
-            else:
-                res.append(v)
-            del node
+        for i, (v, sink) in enumerate(zip(outs, sinks, strict=True)):
+            if isinstance(v, torch.Tensor):
+                v = lowerer.place_output(v, sink)
+                final[i] = tuple(v.placements)
+                v = v.to_local()
+            res.append(v)
         return res
 
     # compile_on_one_rank: DTensor reads the mesh coordinate through a runtime op instead of
@@ -451,17 +504,41 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
     gm.graph.lint()
     gm.recompile()
     outputs: list[Layout | None] = []
-    for node in out_nodes:
+    for i, node in enumerate(out_nodes):
         v = node.meta.get("val") if isinstance(node, fx.Node) else None
-        if not isinstance(v, torch.Tensor):
+        if not isinstance(v, torch.Tensor) or i not in final:
             outputs.append(None)
             continue
-        ps = lowerer.placed.get(node.name, ())
-        outputs.append(Layout(node.name, tuple(v.shape), v.dtype, ps[0] if ps else
-                              tuple([Replicate()] * len(mesh_shape)), mesh_shape))
+        outputs.append(Layout(node.name, tuple(v.shape), v.dtype, final[i], mesh_shape))
     group_dims = {device_mesh.get_group(d).group_name: d for d in range(device_mesh.ndim)}
     return SPMDProgram(gm=gm, traced=traced, plan=plan, rank=rank, placeholders=layouts, outputs=outputs,
-                       group_dims=group_dims, unplanned=lowerer.unplanned, local_ops=sorted(lowerer.local_ops))
+                       group_dims=group_dims, unplanned=lowerer.unplanned,
+                       local_ops=sorted(lowerer.local_ops),
+                       node_collectives=lowerer.node_comm)
+
+
+def output_sinks(traced: Traced, plan: Plan) -> list[Placements | None]:
+    """The placement each graph output is delivered in (the plan's sink edges): the loss
+    replicated, a gradient in its parameter's placement, anything else as its node computes it
+    (``None``: as it comes)."""
+    out_node = next(n for n in reversed(traced.gm.graph.nodes) if n.op == "output")
+    ndim = len(plan.mesh_shape)
+    param_of_grad = {g: p for p, g in traced.grads.items()}
+    node_of_param = traced.params
+    sinks: list[Placements | None] = []
+    for r in out_node.args[0]:
+        if not isinstance(r, fx.Node):
+            sinks.append(None)
+        elif traced.train and r.name == traced.loss:
+            sinks.append(tuple([Replicate()] * ndim))
+        elif r.name in param_of_grad:
+            p = param_of_grad[r.name]
+            ph = plan.nodes.get(node_of_param[p])
+            sinks.append(tuple(plan.params[p]) if p in plan.params else (ph.output[0] if ph else None))
+        else:
+            spec = plan.nodes.get(r.name)
+            sinks.append(tuple(spec.output[0]) if spec is not None and spec.output else None)
+    return sinks
 
 
 def shard_dim_all_to_all(local: torch.Tensor, gather_dim: int, shard_dim: int, mesh: DeviceMesh,

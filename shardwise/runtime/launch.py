@@ -139,7 +139,8 @@ def make_step_data(program: SPMDProgram, seed: int = 0, model=None) -> StepData:
         return StepData(params, tuple(spec.example_inputs(traced.train, seed)), module)
     g = torch.Generator().manual_seed(seed)
     lay = program.param_layouts()
-    params = {k: (torch.randn(lay[k].shape, generator=g) * RANDOM_INIT_STD).to(lay[k].dtype) for k in traced.params}
+    params = {k: (torch.randn(lay[k].shape, generator=g) * RANDOM_INIT_STD).to(lay[k].dtype)
+              for k in traced.params}
     by_name = {x.name: x for x in program.placeholders}
     inputs = []
     for name in traced.inputs:
@@ -151,7 +152,8 @@ def make_step_data(program: SPMDProgram, seed: int = 0, model=None) -> StepData:
     return StepData(params, tuple(inputs))
 
 
-def reference(program: SPMDProgram, data: StepData) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
+def reference(program: SPMDProgram,
+              data: StepData) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
     """The single-process result in fp32: ``(outputs, grads)`` (training: ``outputs[0]`` is the
     loss). The eager module when there is one, else the unsharded canonical graph."""
     traced = program.traced
@@ -213,7 +215,8 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device):
             n.kwargs = {**n.kwargs, "device": device}
-    for name, buf in list(gm.named_buffers()) + [(k, v) for k, v in vars(gm).items() if isinstance(v, torch.Tensor)]:
+    consts = [(k, v) for k, v in vars(gm).items() if isinstance(v, torch.Tensor)]
+    for name, buf in list(gm.named_buffers()) + consts:
         setattr(gm, name, buf.to(device))
     gm.recompile()
 
@@ -409,7 +412,8 @@ def _collect(results, procs, world: int, deadline: float, timeout_s: float) -> l
 
 def _primary_error(errors: dict[int, tuple[str, str]]) -> int:
     """The rank whose error came first in cause: not a peer-lost or timeout error when possible."""
-    own = [r for r, (text, tb) in errors.items() if not any(m in text or m in tb for m in _PEER_ERROR_MARKERS)]
+    own = [r for r, (text, tb) in errors.items()
+           if not any(m in text or m in tb for m in _PEER_ERROR_MARKERS)]
     return min(own) if own else min(errors)
 
 
@@ -421,7 +425,8 @@ def _kill_all(procs) -> None:
         p.join(timeout=5)
 
 
-def _run_torchrun(programs, datas, backend: str, fault: Fault | None, timeout_s: float) -> list[_RankOutput] | None:
+def _run_torchrun(programs, datas, backend: str, fault: Fault | None,
+                  timeout_s: float) -> list[_RankOutput] | None:
     """This process is one rank of a torchrun job: run it; rank 0 gathers every rank's pieces."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != programs[0].world_size:
