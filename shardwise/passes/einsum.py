@@ -129,7 +129,9 @@ def same_batch(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> bool:
 
 
 def _decline(node: fx.Node, why: str) -> None:
-    log.debug("einsum: leaving %s alone: %s", node.format_node(), why)
+    """Say at debug level why a candidate mm is left alone (the same way for every condition)."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("einsum: leaving %s alone: %s", node.format_node(), why)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,6 +221,7 @@ def match_weight_grad(mm: fx.Node) -> WeightGradMatch | None:
         return None
     lhs, rhs = mm.args[0], mm.args[1]
     if not isinstance(lhs, fx.Node) or not is_transpose_2d(lhs):
+        _decline(mm, "left operand is not a 2-D transpose")
         return None
     dy_flat = arg_node(lhs)
     dy_batch, x_batch = canonical_flatten(dy_flat), canonical_flatten(rhs)
@@ -234,7 +237,11 @@ def find_matches(graph: fx.Graph) -> list[Match]:
     for node in graph.nodes:
         if not is_op(node, aten.mm.default, aten.addmm.default):
             continue
-        m = match_linear(node) or match_weight_grad(node)
+        # A transposed left operand can only be the weight-gradient form; anything else is tried
+        # as the forward form (each declines with its own reason).
+        lhs = node.args[1] if is_op(node, aten.addmm.default) else node.args[0]
+        is_wgrad = isinstance(lhs, fx.Node) and is_transpose_2d(lhs)
+        m = match_weight_grad(node) if is_wgrad else match_linear(node)
         if m is not None:
             found.append(m)
     return found

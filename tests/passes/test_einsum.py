@@ -311,3 +311,11 @@ def test_canonical_llama_tiny_matches_eager_loss_and_grads():
     assert len(grads) == len(params)
     for name, g in zip(traced.params, grads, strict=True):
         assert rel_err(g, params[name].grad) <= 1e-5, name
+
+
+def test_declines_say_why_at_debug_level(caplog):
+    fn, args, mode = NEGATIVE["unflatten_other_order"]
+    gm = graph_of(fn, *args, mode=mode)
+    with caplog.at_level("DEBUG", logger="shardwise.passes.einsum"):
+        einsum.apply(gm)
+    assert "matching unflatten" in caplog.text and "aten.mm.default" in caplog.text
