@@ -501,6 +501,8 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
         gm = make_fx(step, tracing_mode="real")(*fakes)
     _name_groups(gm, device_mesh)
     gm.graph.eliminate_dead_code()
+    _drop_unused_detach(gm)
+    gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     outputs: list[Layout | None] = []
@@ -575,6 +577,14 @@ def _name_groups(gm: fx.GraphModule, device_mesh: DeviceMesh) -> None:
                 delattr(gm, str(n.target))
 
 
+def _drop_unused_detach(gm: fx.GraphModule) -> None:
+    """Erase ``detach_`` nodes nobody reads: DTensor leaves them on constants it lifts, they only
+    touch autograd metadata, and being in-place they would survive dead-code elimination."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.detach_.default and not n.users:
+            gm.graph.erase_node(n)
+
+
 def rename_groups(gm: fx.GraphModule, names: dict[str, str]) -> int:
     """Point every collective at another process group (``old name -> new name``); the count."""
     from shardwise.ir.match import C10D_KINDS
@@ -613,8 +623,11 @@ def _check_even(name: str, shape: tuple[int, ...], ps: Placements, mesh_shape: t
     dims = list(shape)
     for p, m in zip(ps, mesh_shape, strict=True):
         if isinstance(p, Shard):
-            d = p.dim % max(len(dims), 1)
-            if not dims or dims[d] % m:
+            d = p.dim % len(dims) if -len(dims) <= p.dim < len(dims) else None
+            if d is None:
+                raise UserError(f"{name} has {len(dims)} dims and cannot be sharded on dim {p.dim} "
+                                f"(placement {placements_str(ps)}).")
+            if dims[d] % m:
                 raise UserError(f"{name} of shape {list(shape)} cannot be split {m} ways along dim {d} "
                                 f"(placement {placements_str(ps)}); use a mesh that divides it.")
             dims[d] //= m

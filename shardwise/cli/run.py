@@ -1,0 +1,154 @@
+"""``shardwise run``: trace, plan, lower and run one distributed step on real process groups.
+
+Pipeline: trace the model (fake tensors) -> canonicalise -> plan (``auto``, a baseline, or a plan
+file) -> lower to the per-rank program -> optional passes on it -> run one process per rank
+(gloo on CPU, NCCL on GPUs; or the ranks ``torchrun`` started) -> with ``--check`` compare with
+the single-process fp32 reference.
+
+``--json`` prints ``{"world_size", "plan", "loss", "loss_ref", "max_rel_err",
+"collectives": {"predicted": {kind: {"count", "bytes"}}, "measured": {...}}, "rewrites", "wall_s"}``
+(``predicted`` is the plan's; ``measured`` what rank 0 executed; every rank's counts are checked
+equal). A failed or hung rank: one sentence naming it on stderr, exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+from shardwise.cli import add_model_options
+from shardwise.errors import UserError
+
+PLAN_CHOICES = ("auto", "ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp")
+# Mesh dims that split the model rather than the batch (every other dim splits the batch).
+MODEL_PARALLEL_DIMS = ("tp",)
+# Exit code when a rank fails or hangs (2 is bad input).
+RANK_FAILED_EXIT = 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run one sharded step on real process groups and check it")
+    add_model_options(p, default_model="llama-tiny")
+    p.add_argument("--mesh", default="2", help="device mesh, e.g. 4 or 2x2")
+    p.add_argument("--mesh-names", default=None, help="one name per mesh dim, e.g. dp,tp")
+    p.add_argument("--hardware", default="h100", help="hardware the planner prices for")
+    p.add_argument("--plan", default="auto", help=f"{' | '.join(PLAN_CHOICES)} | path/to/plan.json")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    p.add_argument("--passes", default="", help="graph passes to run on the per-rank program, e.g. "
+                   "sequence_parallel,collective_matmul")
+    p.add_argument("--check", action="store_true", help="compare with the single-process fp32 reference")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent rank counts as hung")
+    p.set_defaults(handler=run)
+
+
+def check_batch(batch: int, mesh) -> None:
+    """The batch splits evenly over the mesh's data-parallel dims (all but tensor-parallel ones)."""
+    dp = [i for i, n in enumerate(mesh.names) if n not in MODEL_PARALLEL_DIMS]
+    ways = math.prod(mesh.shape[i] for i in dp)
+    if ways > 1 and batch % ways:
+        names = ",".join(mesh.names[i] for i in dp)
+        raise UserError(f"batch {batch} cannot be split over the {ways} data-parallel ranks of mesh dims "
+                        f"{names}; use a --batch that {ways} divides or a smaller mesh.")
+
+
+def make_plan_for(choice: str, traced, mesh, model: str, train: bool):
+    """The plan named by ``--plan``: ``auto``, a baseline, or a plan file checked against the graph."""
+    from shardwise.plan import make_plan
+    from shardwise.plan.plan import Plan, graph_fingerprint
+
+    if choice == "auto":
+        return make_plan(traced, mesh)
+    if choice in PLAN_CHOICES:
+        plan = make_plan(traced, mesh, baseline=choice)
+        if plan is None:
+            need = " and a mesh dim named tp" if "tp" in choice else ""
+            raise UserError(f"the {choice} plan does not apply to mesh {mesh}; it needs a batch and "
+                            f"weights the mesh divides{need}.")
+        return plan
+    if not choice.endswith(".json") and not os.path.exists(choice):
+        raise UserError(f"--plan {choice!r} is neither one of {', '.join(PLAN_CHOICES)} nor a plan file.")
+    plan = Plan.load(choice)
+    plan.check_matches(model, mesh.shape, train, graph_fingerprint(traced.gm))
+    return plan
+
+
+def run(args: argparse.Namespace) -> dict:
+    from shardwise.ir.trace import trace_model
+    from shardwise.lower import lower
+    from shardwise.mesh import parse_mesh
+    from shardwise.models import get_model
+    from shardwise.passes import PASSES
+    from shardwise.passes.pipeline import canonicalize
+    from shardwise.runtime.counter import as_json
+    from shardwise.runtime.launch import RunError, _check_backend, under_torchrun
+    from shardwise.runtime.launch import run as run_program
+
+    t0 = time.perf_counter()
+    mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
+    _check_backend(args.backend, mesh.size)
+    passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    for name in passes:
+        if name not in PASSES:
+            raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
+    train = not args.inference
+    spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
+    check_batch(spec.batch, mesh)
+    traced = trace_model(args.model, train=train, layers=args.layers, batch=args.batch, seq=args.seq,
+                         dtype=args.dtype)
+    canonicalize(traced)
+    plan = make_plan_for(args.plan, traced, mesh, args.model, train)
+    program = lower(traced, plan)
+    program.model = spec
+    rewrites = program.apply_passes(passes)
+    try:
+        res = run_program(program, args.backend, check=args.check, seed=args.seed, timeout_s=args.timeout)
+    except RunError as e:
+        sys.stderr.write(f"shardwise run: error: {e}\n")
+        raise SystemExit(RANK_FAILED_EXIT) from None
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
+        args.json = False  # rank 0 speaks for the job
+        return {}
+    result = {
+        "world_size": res.world_size,
+        "plan": args.plan if args.plan in PLAN_CHOICES else plan.name,
+        "loss": res.loss,
+        "loss_ref": res.loss_ref,
+        "max_rel_err": res.max_rel_err,
+        "collectives": {"predicted": as_json(res.predicted), "measured": as_json(res.measured)},
+        "rewrites": rewrites,
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
+    if not args.json:
+        _report(result, res, mesh)
+    return result
+
+
+def _report(result: dict, res, mesh) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    head = f"[bold]{result['plan']}[/] plan on mesh {mesh}: {res.world_size} ranks, {res.backend}"
+    con.print(head)
+    if res.loss is not None:
+        ref = f" (reference {res.loss_ref:.6f})" if res.loss_ref is not None else ""
+        con.print(f"loss {res.loss:.6f}{ref}")
+    if res.max_rel_err is not None:
+        con.print(f"max relative error {res.max_rel_err:.2e}" + (f" ({res.worst})" if res.worst else ""))
+    table = Table(title="collectives per rank")
+    for col in ("kind", "predicted count", "predicted bytes", "measured count", "measured bytes"):
+        table.add_column(col, justify="right" if col != "kind" else "left")
+    pred, meas = result["collectives"]["predicted"], result["collectives"]["measured"]
+    for kind in sorted(set(pred) | set(meas)):
+        p, m = pred.get(kind, {}), meas.get(kind, {})
+        table.add_row(kind, str(p.get("count", 0)), str(p.get("bytes", 0)), str(m.get("count", 0)),
+                      str(m.get("bytes", 0)))
+    con.print(table)
+    con.print("measured == predicted" if pred == meas else "[yellow]measured differs from predicted[/]")
+    if result["rewrites"]:
+        con.print("rewrites: " + ", ".join(f"{k} {v}" for k, v in result["rewrites"].items()))
+    con.print(f"wall {result['wall_s']:.2f} s")
