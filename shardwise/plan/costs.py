@@ -8,6 +8,7 @@ questions.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -53,8 +54,8 @@ class PlannerCosts:
 
     def compute_time(self, node: fx.Node, s: Strategy) -> float:
         """Roofline time of ``node`` run with strategy ``s`` on local shapes."""
-        if node.op != "call_function" or is_view(node):
-            return 0.0
+        if node.op != "call_function" or is_view(node) or node.target is operator.getitem:
+            return 0.0  # no kernel: metadata only, or an element of a tuple another op computed
         outs = flat_tensor_vals(node)
         if not outs:
             return 0.0

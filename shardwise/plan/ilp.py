@@ -50,6 +50,9 @@ from shardwise.plan.strategies import NodeStrategies, Strategy
 
 GRAD_SINK = -1  # argument index of a gradient -> parameter-placement edge
 LOSS_SINK = -2  # argument index of the loss -> Replicate edge
+# Relative MIP gap at which HiGHS may stop and report "optimal": tighter than the 1e-6 to which
+# plans are compared, loose enough that the solver does not chase rounding noise.
+MIP_REL_GAP = 1e-7
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
-    h.setOptionValue("mip_rel_gap", 1e-9)
+    h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     h.setOptionValue("threads", 1)
     lp = highspy.HighsLp()
     nv, nr = len(m.cost), len(m.row_lb)

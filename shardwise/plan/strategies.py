@@ -80,8 +80,17 @@ def placeholder_choices(t: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Pl
             if divides_evenly(ps, tuple(t.shape), mesh_shape)]
 
 
+def _sum_partials_only(s: Strategy) -> bool:
+    """Pending sums are the only partials our graphs create (matmul contractions, reductions);
+    DTensor's rules also offer avg/max/min partials, which would only bloat the search."""
+    return all(not isinstance(p, Partial) or p.reduce_op == "sum"
+               for ps in (*s.output, *s.inputs) for p in ps)
+
+
 def _valid(s: Strategy, out_shapes: list[tuple[int, ...] | None], in_shapes: list[tuple[int, ...]],
            mesh_shape: tuple[int, ...]) -> bool:
+    if not _sum_partials_only(s):
+        return False
     for ps, shp in zip(s.output, out_shapes, strict=False):
         if shp is not None and not divides_evenly(ps, shp, mesh_shape):
             return False
