@@ -300,6 +300,26 @@ def _stamp(gm, labels, layer_out, names, full_names, full_vals, stack, n_layers,
     return new, new_param_names
 
 
+def identical_layers(layers: nn.ModuleList) -> bool:
+    """Every layer is the same class with the same parameters (names, shapes, dtypes, grads),
+    buffers and training flag, so one layer's nodes stand for all."""
+    def signature(m: nn.Module):
+        return (type(m), m.training,
+                [(k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in m.named_parameters()],
+                [(k, tuple(b.shape), b.dtype) for k, b in m.named_buffers()],
+                [(k, type(c)) for k, c in m.named_modules()])
+    first = signature(layers[0])
+    return all(signature(m) == first for m in layers)
+
+
+def find_stack(module: nn.Module, n_layers: int) -> str | None:
+    """The dotted name of the ``nn.ModuleList`` named ``layers`` holding ``n_layers`` layers."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) == n_layers and name.rpartition(".")[2] == "layers":
+            return name
+    return None
+
+
 def _ph_name(index: int) -> str:
     """make_fx's placeholder names, so a stamped graph reads like a fully traced one."""
     return f"arg{index}_1"
@@ -307,19 +327,22 @@ def _ph_name(index: int) -> str:
 
 def trace_stacked(module: nn.Module, stack: str, inputs: tuple, *, train: bool, fake_mode,
                   model_name: str = ""):
-    """Trace ``module`` whose ``stack`` attribute is an ``nn.ModuleList`` of identical layers by
-    tracing two of them and stamping the rest; None when stamping is refused."""
+    """Trace ``module`` whose submodule ``stack`` (a dotted name) is an ``nn.ModuleList`` of
+    identical layers by tracing two of them and stamping the rest; None when stamping is refused
+    (the module is always left as it was)."""
     from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
     from shardwise.ir.trace import Traced, trace
 
-    layers = getattr(module, stack)
+    parent, _, attr = stack.rpartition(".")
+    owner = module.get_submodule(parent)
+    layers = getattr(owner, attr)
     n_layers = len(layers)
     full = list(module.named_parameters())
-    if n_layers <= 2 or (train and not all(p.requires_grad for _, p in full)):
+    if n_layers <= 2 or not identical_layers(layers) or (train and not all(p.requires_grad for _, p in full)):
         return None
     short = nn.ModuleList([layers[0], layers[1]])
-    setattr(module, stack, short)
+    setattr(owner, attr, short)
     marks = install_marks(short, train)
     try:
         traced = trace(module, *inputs, train=train, fake_mode=fake_mode, model_name=model_name)
@@ -329,7 +352,7 @@ def trace_stacked(module: nn.Module, stack: str, inputs: tuple, *, train: bool, 
     finally:
         for h in marks.handles:
             h.remove()
-        setattr(module, stack, layers)
+        setattr(owner, attr, layers)
     names = list(traced.params)
     full_names = [k for k, _ in full]
     result = stamp(traced.gm, labels, (marks.outputs[0], marks.outputs[1]), names, full_names,

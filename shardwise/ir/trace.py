@@ -205,13 +205,23 @@ def trace_model(
             module.eval()
     inputs = spec.example_inputs(train)
     if stamp_layers:
-        from shardwise.ir.stamp import trace_stacked
-        from shardwise.models.llama import Llama
+        from shardwise.ir.stamp import find_stack, trace_stacked
 
-        if isinstance(module, Llama):
+        stack = find_stack(module, spec.n_layers)
+        if stack is not None and _uniform_layer_types(module):
             # Identical decoder layers: trace two, stamp the rest (see ir/stamp.py); None when
             # the graph does not allow it, and then the whole model is traced.
-            stamped = trace_stacked(module, "layers", inputs, train=train, fake_mode=mode, model_name=name)
+            stamped = trace_stacked(module, stack, inputs, train=train, fake_mode=mode, model_name=name)
             if stamped is not None:
                 return stamped
     return trace(module, *inputs, train=train, fake_mode=mode, model_name=name)
+
+
+def _uniform_layer_types(module: nn.Module) -> bool:
+    """A transformers config may give layers different attention (``layer_types``: sliding vs
+    full); such layers are not copies of each other."""
+    for m in module.modules():
+        types = getattr(getattr(m, "config", None), "layer_types", None)
+        if types is not None and len(set(types)) > 1:
+            return False
+    return True

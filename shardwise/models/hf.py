@@ -39,12 +39,18 @@ def load_config(path: str, *, layers: int | None = None):
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise UserError(f"hf config file {path!r} has no 'model_type'; it is not a transformers config.")
     model_type = raw.pop("model_type")
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(f"transformers does not know the architecture {model_type!r} named in {path!r}.")
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **raw)
-    except (ValueError, KeyError):
-        raise UserError(
-            f"transformers does not know the architecture {model_type!r} named in {path!r}."
-        ) from None
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        # transformers validates some fields through huggingface_hub's strict dataclasses; the
+        # cause is on the error's last line ("ValueError: ...").
+        first_line = _cause(e)
+        raise UserError(f"hf config file {path!r} is not a valid {model_type} config: {first_line}") from None
     if layers is not None:
         cfg.num_hidden_layers = layers
         if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
@@ -66,3 +72,12 @@ def build_hf(cfg, dtype: torch.dtype) -> nn.Module:
         first_line = str(e).split("\n")[0]
         raise UserError(f"transformers cannot build a causal LM from this config: {first_line}") from None
     return HFCausalLM(model)
+
+
+def _cause(e: Exception) -> str:
+    """One line naming why a config was rejected (the innermost message of a chained error)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    text = lines[-1] if lines else e.__class__.__name__
+    return text if text.endswith(".") else text + "."

@@ -68,6 +68,8 @@ def _write(tmp_path, text: str):
     ("{not json", "not valid JSON"),
     ('{"hidden_size": 8}', "model_type"),
     ('{"model_type": "surely_not_an_architecture"}', "does not know the architecture"),
+    ('{"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["full_attention"]}',
+     "not a valid llama config"),
 ])
 def test_bad_hf_configs_are_one_sentence_user_errors(tmp_path, content, message):
     name = f"hf:{tmp_path / 'missing.json'}" if content is None else _write(tmp_path, content)
