@@ -28,9 +28,12 @@ evenly (the planner only proposes such shards); a node without a plan entry is l
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -280,15 +283,16 @@ class _Lowerer(fx.Interpreter):
                 if isinstance(w, Partial) and c != w]
         if not dims:
             return v
-        mid = tuple(Replicate() if i in dims else c for i, c in enumerate(cur))
+        # The other dims go straight to their targets first (DTensor cannot mix two kinds of
+        # Partial in one placement list, so a P(max) elsewhere must be resolved before).
+        mid = tuple(Replicate() if i in dims else w for i, w in enumerate(want))
         if mid != cur:
             v = v.redistribute(self.mesh, mid)
         local = v.to_local()
         for i in dims:
             if want[i].reduce_op == "sum":
                 local = local / self.mesh.size(i)
-        new = tuple(want[i] if i in dims else p for i, p in enumerate(mid))
-        return DTensor.from_local(local, self.mesh, new, run_check=False, shape=v.shape, stride=v.stride())
+        return DTensor.from_local(local, self.mesh, want, run_check=False, shape=v.shape, stride=v.stride())
 
     def _conform(self, node: fx.Node, v: object, want: Placements | None) -> object:
         """Bring an op's result to the plan's output placement (noting when that costs a move)."""
@@ -491,11 +495,10 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
             res.append(v)
         return res
 
-    # compile_on_one_rank: DTensor reads the mesh coordinate through a runtime op instead of
-    # baking this rank's in, so one graph serves every rank (it needs a shape env for the
-    # coordinate's symbolic value).
+    # The coordinate is read at run time (one graph serves every rank; the runtime op needs a
+    # shape env for its symbolic value), and S(i) -> S(j) is one all_to_all.
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    with dist_config.patch(compile_on_one_rank=True), mode, \
+    with mode, _coordinate_at_run_time(), \
             mock.patch.object(placement_types, "shard_dim_alltoall", shard_dim_all_to_all):
         fakes = [torch.empty(lay.local_shape(), dtype=lay.dtype, device=device) for lay in layouts]
         gm = make_fx(step, tracing_mode="real")(*fakes)
@@ -541,6 +544,31 @@ def output_sinks(traced: Traced, plan: Plan) -> list[Placements | None]:
             spec = plan.nodes.get(r.name)
             sinks.append(tuple(spec.output[0]) if spec is not None and spec.output else None)
     return sinks
+
+
+@contextlib.contextmanager
+def _coordinate_at_run_time() -> Iterator[None]:
+    """Make DTensor's redistributions read the rank's mesh coordinate through a runtime op.
+
+    ``compile_on_one_rank`` does that, but globally it also routes every sharding-propagation
+    cost estimate through the op (thousands of dead traced calls, minutes on a small model), so
+    it is switched on only while a local tensor is actually being redistributed.
+    """
+    from torch.distributed.tensor import _api, _dispatch, _redistribute
+
+    inner = _redistribute.redistribute_local_tensor
+
+    @functools.wraps(inner)
+    def redistribute_local_tensor(*args, **kwargs):
+        with dist_config.patch(compile_on_one_rank=True):
+            return inner(*args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        for module in (_redistribute, _dispatch, _api):
+            if hasattr(module, "redistribute_local_tensor"):
+                stack.enter_context(mock.patch.object(module, "redistribute_local_tensor",
+                                                      redistribute_local_tensor))
+        yield
 
 
 def shard_dim_all_to_all(local: torch.Tensor, gather_dim: int, shard_dim: int, mesh: DeviceMesh,
