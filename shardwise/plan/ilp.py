@@ -7,9 +7,9 @@ Variables
 Let y[u,p] = sum_{s: out(s)=p} x[u,s] (producer u yields placement p) and
     z[k,q] = sum_{s: in_j(s)=q} x[v,s] (edge k = (u -> v, argument j) needs placement q).
 
-Edge rows, for every q the consumer may need:
-  z[k,q] <= y[u,q] + sum_{p: c(p,q)=0} y[u,p] + sum_{p: 0<c(p,q)<inf} e[k,p,q]
-and for every p:  sum_q e[k,p,q] <= y[u,p].
+Edge rows (a transportation problem per edge; its LP relaxation is tight for one edge):
+  sum_p e[k,p,q] = z[k,q]  for every q the consumer may need
+  sum_q e[k,p,q] = y[u,p]  for every p the producer may yield
 At integral x exactly one y and one z are 1, so the cheapest feasible e is 1 on the single pair
 (p, q) actually used and 0 elsewhere: the LP part is exact, no product variables needed. Pairs
 with infinite cost have no e, so the rows forbid them.
@@ -192,27 +192,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
                 demand[s.inputs[j]].extend(xs[v][i])
         if len(supply) == 1 and list(supply) == list(demand):
             continue  # one placement on both ends: nothing to decide, nothing to pay
-        per_p: dict[Placements, dict[int, float]] = defaultdict(dict)
-        for q, zvars in demand.items():
-            terms: dict[int, float] = {z: 1.0 for z in zvars}
-            for p, yvars in supply.items():
-                if p == q:
-                    c = 0.0
-                else:
-                    c = costs.reshard(p, q, val).time_s
-                if c == 0.0:
-                    for y in yvars:
-                        terms[y] = terms.get(y, 0.0) - 1.0
-                elif math.isfinite(c):
-                    e = m.var(w * c, integer=False)
-                    terms[e] = -1.0
-                    per_p[p][e] = 1.0
-            m.row(-math.inf, 0.0, terms)
-        for p, eterms in per_p.items():
-            row = dict(eterms)
-            for y in supply[p]:
-                row[y] = row.get(y, 0.0) - 1.0
-            m.row(-math.inf, 0.0, row)
+        _add_edge(m, supply, demand, lambda p, q, val=val: costs.reshard(p, q, val).time_s, w)
 
     min_mem = None
     if memory_budget is not None and traced.train:
@@ -257,6 +237,24 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
     return IlpResult(label, float(info.objective_function_value), float(info.mip_gap), choice, nv, nr,
                      build_s, solve_s, min_mem)
+
+
+def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Placements, list[int]],
+              cost, weight: int) -> None:
+    """Transportation rows for one edge: e[p,q] >= 0 for every finite (p, q),
+    sum_q e[p,q] = y[p] and sum_p e[p,q] = z[q]; objective weight * c(p,q) * e[p,q]."""
+    by_p: dict[Placements, dict[int, float]] = {p: {y: -1.0 for y in ys} for p, ys in supply.items()}
+    for q, zvars in demand.items():
+        row = {z: -1.0 for z in zvars}
+        for p in supply:
+            c = 0.0 if p == q else cost(p, q)
+            if math.isfinite(c):
+                e = m.var(weight * c, integer=False)
+                row[e] = 1.0
+                by_p[p][e] = 1.0
+        m.row(0.0, 0.0, row)
+    for row in by_p.values():
+        m.row(0.0, 0.0, row)
 
 
 def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],

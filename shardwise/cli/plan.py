@@ -1,0 +1,119 @@
+"""``shardwise plan``: the auto plan for a model on a mesh, with the hand-written baselines.
+
+    shardwise plan --model llama3-8b --mesh 8x8 [--mesh-names dp,tp] [--hardware h100]
+        [--memory 80GiB] [--batch B --seq S] [--inference] [--time-limit S] [--save plan.json] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from shardwise.cli import add_model_options
+from shardwise.errors import UserError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="choose placements for every node by ILP; compare with hand plans")
+    add_model_options(p)
+    add_mesh_options(p)
+    p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB (default: "
+                   "the hardware's memory less a reserve)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
+    p.add_argument("--save", default=None, help="write the plan as JSON to this path")
+    p.add_argument("--no-baselines", action="store_true", help="skip planning the hand-written baselines")
+    p.add_argument("--no-cluster", action="store_true", help="plan every layer separately")
+    p.set_defaults(handler=run)
+
+
+def add_mesh_options(p: argparse.ArgumentParser, default: str = "8x8") -> None:
+    p.add_argument("--mesh", default=default, help="mesh shape, e.g. 8x8 or 4")
+    p.add_argument("--mesh-names", default=None, help="names of the mesh dims, e.g. dp,tp")
+    p.add_argument("--hardware", default="h100", help="h100 | h200 | a100 | b200 | cpu | spec.toml")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from shardwise.cost.hardware import get_hardware
+    from shardwise.cost.units import parse_bytes
+    from shardwise.ir.trace import trace_model
+    from shardwise.mesh import parse_mesh
+    from shardwise.passes.pipeline import canonicalize
+    from shardwise.plan import BASELINES, make_plan
+    from shardwise.plan.report import plan_summary
+
+    mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
+    get_hardware(args.hardware)  # fail early on an unknown spec
+    budget = parse_bytes(args.memory) if args.memory else None
+    t0 = time.perf_counter()
+    traced = trace_model(args.model, train=not args.inference, layers=args.layers, batch=args.batch,
+                         seq=args.seq, dtype=args.dtype)
+    canonicalize(traced)
+    trace_s = time.perf_counter() - t0
+    plan = make_plan(traced, mesh, memory_budget=budget, clustering=not args.no_cluster,
+                     time_limit_s=args.time_limit)
+    if plan.status == "infeasible":
+        floor = plan.info.get("min_memory_bytes")
+        raise UserError(f"no plan fits {plan.info['memory_budget_bytes'] / 2**30:.2f} GiB per device; the "
+                        f"fully-sharded minimum is {floor / 2**30:.2f} GiB" if floor else
+                        "no plan fits the memory budget.")
+    baselines: dict[str, float | None] = {}
+    if not args.no_baselines:
+        for name in BASELINES:
+            b = make_plan(traced, mesh, baseline=name, memory_budget=budget,
+                          clustering=not args.no_cluster, time_limit_s=args.time_limit)
+            baselines[name] = b.estimate.total_s if b is not None and b.status != "infeasible" else None
+    if args.save:
+        plan.save(args.save)
+    timings = plan.info["timings"]
+    out = plan_summary(plan)
+    out["timings"] = {"trace_s": trace_s, "strategies_s": timings["strategies_s"],
+                      "ilp_build_s": timings["ilp_build_s"], "solve_s": timings["solve_s"],
+                      "total_s": trace_s + timings["total_s"]}
+    out["ilp"] = {k: plan.info["ilp"][k] for k in ("variables", "constraints", "clusters")}
+    out["baselines"] = baselines
+    if not args.json:
+        _print_report(traced, plan, out, mesh)
+    return out
+
+
+def _print_report(traced, plan, out: dict, mesh) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from shardwise.plan.report import describe_param
+
+    con = Console()
+    con.print(f"[bold]{traced.model_name}[/] on {mesh} {mesh.hardware}: {plan.status}, "
+              f"step {plan.estimate.total_s * 1e3:.2f} ms (compute {plan.estimate.compute_s * 1e3:.2f} ms, "
+              f"communication {plan.estimate.comm_s * 1e3:.2f} ms), "
+              f"{plan.estimate.memory_bytes / 2**30:.2f} GiB per device")
+    t = Table(title="parameters (first layer and the rest)")
+    t.add_column("parameter")
+    t.add_column("placement")
+    t.add_column("in words")
+    for name in list(traced.params)[:12]:
+        t.add_row(name, ", ".join(out["params"][name]), describe_param(traced, plan, name))
+    con.print(t)
+    c = Table(title="collectives per step")
+    for col in ("kind", "count", "GiB"):
+        c.add_column(col)
+    for k, v in out["collectives"].items():
+        c.add_row(k, str(v["count"]), f"{v['bytes'] / 2**30:.3f}")
+    con.print(c)
+    b = Table(title="baselines (same cost model)")
+    for col in ("plan", "step ms", "auto is faster by"):
+        b.add_column(col)
+    b.add_row("auto", f"{plan.estimate.total_s * 1e3:.2f}", "")
+    for k, v in out["baselines"].items():
+        if v is None:
+            b.add_row(k, "n/a", "does not apply or does not fit")
+        else:
+            b.add_row(k, f"{v * 1e3:.2f}", f"{(v - plan.estimate.total_s) / v * 100:.1f}%")
+    con.print(b)
+    tm = out["timings"]
+    con.print(f"ILP: {out['ilp']['variables']} variables, {out['ilp']['constraints']} constraints, "
+              f"{out['ilp']['clusters']} clusters; trace {tm['trace_s']:.1f} s, strategies "
+              f"{tm['strategies_s']:.1f} s, build {tm['ilp_build_s']:.1f} s, solve {tm['solve_s']:.1f} s")
+    if plan.fallback_ops:
+        con.print(f"[yellow]warning:[/] no sharding strategy for {', '.join(plan.fallback_ops)}: planned "
+                  "replicated")
