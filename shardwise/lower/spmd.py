@@ -298,7 +298,7 @@ class _Lowerer(fx.Interpreter):
         """Bring an op's result to the plan's output placement (noting when that costs a move)."""
         if not isinstance(v, torch.Tensor):
             return v
-        d = self._as_dtensor(v)
+        d = _unmask(self._as_dtensor(v))
         if want is not None and tuple(d.placements) != tuple(want):
             if isinstance(v, DTensor):
                 self.unplanned.append(
@@ -417,6 +417,26 @@ class _Lowerer(fx.Interpreter):
                 if list(s.inputs) == have:
                     return list(s.output)
         return None
+
+
+def _unmask(d: DTensor) -> DTensor:
+    """Turn DTensor's masked partial (a vocab-sharded lookup: rows this rank does not own are
+    garbage until masked) into a plain pending sum right away, so every consumer may read it
+    (DTensor's mask is consumed by the first reduction and would be gone for the second)."""
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    masked = [p for p in d.placements if isinstance(p, _MaskPartial)]
+    if not masked:
+        return d
+    local = d.to_local()
+    for p in masked:
+        mask = p.mask_buffer.data
+        keep = ~(mask if local.dim() == mask.dim() else mask.unsqueeze(-1))
+        local = local * keep.to(local.dtype)
+        p.mask_buffer.release_mask()
+    placements = tuple(Partial(p.reduce_op) if isinstance(p, _MaskPartial) else p for p in d.placements)
+    return DTensor.from_local(local, d.device_mesh, placements, run_check=False, shape=d.shape,
+                              stride=d.stride())
 
 
 def _layout_order(t: torch.Tensor) -> list[int]:

@@ -397,24 +397,27 @@ def _collect(results, procs, world: int, deadline: float, timeout_s: float) -> l
         else:
             errors[msg[1]] = (msg[2], msg[3])
             grace_end = grace_end or time.monotonic() + FAILURE_GRACE_S
+    silent = sorted(r for r in range(world) if r not in done and r not in errors)
+    own = _own_errors(errors)
+    if own:
+        rank = min(own)
+        tail = f"; rank(s) {', '.join(map(str, silent))} did not finish" if silent else ""
+        raise RunError(f"rank {rank} failed: {errors[rank][0]}{tail}.", rank)
+    if silent:
+        # Nobody failed on its own: the silent rank hung and the others (if any) gave up on it.
+        waiting = (f" while rank(s) {', '.join(map(str, sorted(errors)))} timed out waiting for it"
+                   if errors else "")
+        raise RunError(f"rank {silent[0]} hung: no report within {timeout_s:g} s{waiting}.", silent[0])
     if errors:
-        first = _primary_error(errors)
-        rank, (text, _) = first, errors[first]
-        others = sorted(r for r in range(world) if r not in done and r not in errors)
-        tail = f"; rank(s) {', '.join(map(str, others))} did not finish" if others else ""
-        raise RunError(f"rank {rank} failed: {text}{tail}.", rank)
-    if len(done) < world:
-        missing = sorted(r for r in range(world) if r not in done)
-        raise RunError(f"rank {missing[0]} did not finish within {timeout_s:g} s (hung); "
-                       f"unfinished ranks: {', '.join(map(str, missing))}.", missing[0])
+        rank = min(errors)
+        raise RunError(f"rank {rank} failed: {errors[rank][0]}.", rank)
     return [done[r] for r in range(world)]
 
 
-def _primary_error(errors: dict[int, tuple[str, str]]) -> int:
-    """The rank whose error came first in cause: not a peer-lost or timeout error when possible."""
-    own = [r for r, (text, tb) in errors.items()
-           if not any(m in text or m in tb for m in _PEER_ERROR_MARKERS)]
-    return min(own) if own else min(errors)
+def _own_errors(errors: dict[int, tuple[str, str]]) -> list[int]:
+    """Ranks that failed on their own (not because a peer went away or stopped answering)."""
+    return [r for r, (text, tb) in errors.items()
+            if not any(m in text or m in tb for m in _PEER_ERROR_MARKERS)]
 
 
 def _kill_all(procs) -> None:
