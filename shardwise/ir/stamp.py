@@ -31,6 +31,8 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
+from shardwise.ir.meta import SEQ_NR
+
 
 class Seg(enum.Enum):
     PREFIX = "P"
@@ -197,11 +199,15 @@ def _stamp(gm, labels, layer_out, names, full_names, full_vals, stack, n_layers,
         base[ph] = new.placeholder(_ph_name(len(new_param_names) + i))
         base[ph].meta = dict(ph.meta)
 
-    def copy_segment(seg: Seg, lookup: Callable[[fx.Node], fx.Node]) -> dict[fx.Node, fx.Node]:
+    seq = SeqShift.of(g, labels, n_layers)
+
+    def copy_segment(seg: Seg, lookup: Callable[[fx.Node], fx.Node], shift: int = 0,
+                     ) -> dict[fx.Node, fx.Node]:
         env: dict[fx.Node, fx.Node] = {}
         for n in g.nodes:
             if seg_of(n) is seg:
                 env[n] = new.node_copy(n, lambda a: env[a] if a in env else lookup(a))
+                seq.apply(env[n], shift)
         return env
 
     def from_base(a: fx.Node) -> fx.Node:
@@ -224,7 +230,7 @@ def _stamp(gm, labels, layer_out, names, full_names, full_vals, stack, n_layers,
             if seg_of(a) in (Seg.PREFIX, None):
                 return from_base(a)
             raise StampRefused(f"layer forward reads {a.name} from another layer")
-        fwd[j] = copy_segment(Seg.F1, fwd_lookup)
+        fwd[j] = copy_segment(Seg.F1, fwd_lookup, (j - 1) * seq.span)
         out_of[j] = fwd[j][h1]
     last = n_layers - 1
 
@@ -266,7 +272,7 @@ def _stamp(gm, labels, layer_out, names, full_names, full_vals, stack, n_layers,
                 if s in (Seg.PREFIX, None):
                     return from_base(a)
                 raise StampRefused(f"layer backward reads {a.name} from another segment")
-            bwd[j] = copy_segment(Seg.B1, bwd_lookup)
+            bwd[j] = copy_segment(Seg.B1, bwd_lookup, (j - 1) * seq.span)
             dh_of[j] = bwd[j][dh0]
 
         def late_lookup(a):
@@ -292,12 +298,51 @@ def _stamp(gm, labels, layer_out, names, full_names, full_vals, stack, n_layers,
             else:
                 short = grad_of_short[name]
                 results.append(None if short is None else late_lookup(short))
-        new.output(tuple(results))
+        out = new.output(tuple(results))
     else:
         out_node = next(n for n in reversed(g.nodes) if n.op == "output")
-        new.output(tuple(head_lookup(a) if isinstance(a, fx.Node) else a for a in out_node.args[0]))
+        out = new.output(tuple(head_lookup(a) if isinstance(a, fx.Node) else a for a in out_node.args[0]))
+    out.meta = dict(out_node.meta)
+    seq.apply(out, 0)
     new.lint()
     return new, new_param_names
+
+
+@dataclass(frozen=True)
+class SeqShift:
+    """Autograd sequence numbers (``meta["seq_nr"]``) of stamped nodes.
+
+    Every layer creates the same autograd nodes, so layer ``j``'s numbers are layer 1's plus
+    ``(j - 1) * span`` (``span``: the distance between two layers' first numbers). Numbers from
+    ``first_after`` on (the head's, and the "current" number that gradient accumulations carry)
+    move past the ``n_layers - 2`` inserted layers. Backward nodes carry their forward node's
+    number, so they move with it; numbers of the prefix and the first layer stay.
+    """
+
+    lo: int = 0
+    first_after: int = 0
+    span: int = 0
+    head_shift: int = 0
+
+    @staticmethod
+    def of(graph: fx.Graph, labels: dict[fx.Node, Seg], n_layers: int) -> SeqShift:
+        def seqs(seg):
+            return [n.meta[SEQ_NR] for n in graph.nodes if labels.get(n) is seg and SEQ_NR in n.meta]
+        f0, f1 = seqs(Seg.F0), seqs(Seg.F1)
+        if not f0 or not f1:
+            return SeqShift()
+        span = min(f1) - min(f0)
+        return SeqShift(lo=min(f1), first_after=max(f1) + 1, span=span, head_shift=(n_layers - 2) * span)
+
+    def apply(self, node: fx.Node, layer_shift: int) -> None:
+        """Renumber a copied node: head numbers by ``head_shift``, its layer's by ``layer_shift``."""
+        s = node.meta.get(SEQ_NR)
+        if not isinstance(s, int) or self.span == 0:
+            return
+        if s >= self.first_after:
+            node.meta[SEQ_NR] = s + self.head_shift
+        elif s >= self.lo:
+            node.meta[SEQ_NR] = s + layer_shift
 
 
 def identical_layers(layers: nn.ModuleList) -> bool:

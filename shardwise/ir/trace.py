@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import fx, nn
+from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
@@ -128,6 +130,9 @@ def trace(
             return tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if not (isinstance(out, torch.Tensor) and out.dim() == 0):
             raise UserError("a training trace needs a model whose forward returns a scalar loss.")
+        # Backward nodes take the seq_nr of the forward node they differentiate (as in
+        # aot_autograd), so forward/backward pairs can be matched in the joint graph.
+        setup_stacktrace_preservation_hooks([out.grad_fn])
         wrt = [p for p, t in zip(ps, trainable, strict=True) if t]
         grads = iter(torch.autograd.grad(out, wrt, allow_unused=True) if wrt else ())
         return (out, *[next(grads) if t else None for t in trainable])
@@ -138,7 +143,7 @@ def trace(
         # A lazy GraphModule generates its Python code on first call, not on every recompile():
         # tracing and canonicalising a 7,500-node graph would otherwise regenerate and compile
         # its code once per pass (seconds each at 32 layers) for a graph nobody runs here.
-        with _use_lazy_graph_module(True):
+        with _use_lazy_graph_module(True), fx_traceback.preserve_node_meta():
             gm = make_fx(step, tracing_mode="real", record_module_stack=True)(*params, *inputs)
     _check_functional(gm)
     if gm.graph.eliminate_dead_code():

@@ -283,6 +283,9 @@ def test_every_linear_mm_becomes_einsum_with_equal_flops(model):
     assert _flop_counter_total(gm, inputs) == counter_before
     einsum_flops = sum(node_flops(n) for n in gm.graph.nodes if n.target is aten.einsum.default)
     assert einsum_flops > 0
+    # each projection's forward, input-gradient and weight-gradient einsums share the mm's seq_nr
+    seq_nrs = Counter(n.meta["seq_nr"] for n in gm.graph.nodes if n.target is aten.einsum.default)
+    assert set(seq_nrs.values()) == {3} and len(seq_nrs) == n_mm // 3
     # the bookkeeping still points at live nodes
     names = {n.name for n in gm.graph.nodes}
     assert traced.loss in names and set(traced.grads.values()) <= names
