@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.passes import PASSES
     from shardwise.passes.pipeline import canonicalize
     from shardwise.runtime.counter import as_json
-    from shardwise.runtime.launch import RunError, _check_backend, under_torchrun
+    from shardwise.runtime.launch import RunError, _check_backend
     from shardwise.runtime.launch import run as run_program
 
     t0 = time.perf_counter()
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict:
     except RunError as e:
         sys.stderr.write(f"shardwise run: error: {e}\n")
         raise SystemExit(RANK_FAILED_EXIT) from None
-    if under_torchrun() and int(os.environ["RANK"]) != 0:
+    if res is None:  # a torchrun rank other than 0
         args.json = False  # rank 0 speaks for the job
         return {}
     result = {

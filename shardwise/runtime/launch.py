@@ -315,10 +315,12 @@ def _check_backend(backend: str, world: int) -> None:
 
 def run(program: SPMDProgram, backend: str = "gloo", *, check: bool = False, seed: int = 0,
         inference: bool | None = None, timeout_s: float = 60.0, fault: Fault | None = None,
-        model=None) -> RunResult:
-    """Run ``program`` on ``world_size`` real ranks; see the module docstring."""
-    return run_many([program], backend, check=check, seed=seed, inference=inference,
-                    timeout_s=timeout_s, fault=fault, models=[model])[0]
+        model=None) -> RunResult | None:
+    """Run ``program`` on ``world_size`` real ranks; see the module docstring. Under torchrun,
+    ranks other than 0 return None (rank 0 holds the gathered result)."""
+    results = run_many([program], backend, check=check, seed=seed, inference=inference,
+                       timeout_s=timeout_s, fault=fault, models=[model])
+    return results[0] if results else None
 
 
 def run_many(programs: Sequence[SPMDProgram], backend: str = "gloo", *, check: bool = False, seed: int = 0,

@@ -1,0 +1,78 @@
+"""``shardwise run``: the JSON report of a real two-rank step, and one-sentence refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch.distributed.tensor import Replicate
+
+from shardwise.cli import main
+from shardwise.ir.trace import trace_model
+from shardwise.passes.pipeline import canonicalize
+from shardwise.plan.plan import NodeSpec, Plan, graph_fingerprint
+
+JSON_KEYS = {"world_size", "plan", "loss", "loss_ref", "max_rel_err", "collectives", "rewrites", "wall_s"}
+TINY = ["--model", "llama-tiny", "--layers", "1", "--batch", "4", "--seq", "8"]
+
+
+@pytest.mark.slow
+def test_json_report_of_a_checked_ddp_step(capsys):
+    assert main(["run", *TINY, "--mesh", "2", "--plan", "ddp", "--check", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == JSON_KEYS
+    assert out["world_size"] == 2 and out["plan"] == "ddp"
+    assert out["max_rel_err"] <= 1e-4
+    assert out["loss"] == pytest.approx(out["loss_ref"], rel=1e-5)
+    assert out["collectives"]["measured"] == out["collectives"]["predicted"]
+    assert set(out["collectives"]) == {"predicted", "measured"}
+    assert out["rewrites"] == {} and out["wall_s"] > 0
+
+
+def _error(capsys, *argv: str) -> str:
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    return err
+
+
+def test_nccl_without_gpus_is_refused(capsys):
+    assert "--backend nccl needs 2 GPU(s)" in _error(capsys, *TINY, "--mesh", "2", "--backend", "nccl")
+
+
+def test_mesh_larger_than_the_batch_is_refused(capsys):
+    err = _error(capsys, *TINY, "--mesh", "8")
+    assert "batch 4 cannot be split over the 8 data-parallel ranks" in err
+
+
+def test_batch_is_only_split_over_data_parallel_dims(capsys):
+    """A 2x4 (dp, tp) mesh splits batch 4 two ways only; 4x2 would need four."""
+    assert "over the 4 data-parallel ranks" in _error(capsys, *TINY, "--mesh", "4x2", "--batch", "2")
+
+
+def _plan_file(tmp_path, model: str, mesh_shape: tuple[int, ...]) -> str:
+    traced = trace_model("llama-tiny", layers=1, batch=4, seq=8)
+    canonicalize(traced)
+    rep = (Replicate(),) * len(mesh_shape)
+    plan = Plan(name="hand", model=model, mesh_shape=mesh_shape, mesh_names=("dp",)[: len(mesh_shape)],
+                hardware="h100", train=True, fingerprint=graph_fingerprint(traced.gm),
+                nodes={n: NodeSpec((rep,)) for n in traced.inputs})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    return str(path)
+
+
+def test_plan_file_for_another_mesh_is_refused(capsys, tmp_path):
+    path = _plan_file(tmp_path, "llama-tiny", (2,))
+    assert "the plan was made for mesh 2, not 4." in _error(capsys, *TINY, "--mesh", "4", "--plan", path)
+
+
+def test_plan_file_for_another_model_is_refused(capsys, tmp_path):
+    path = _plan_file(tmp_path, "llama3-8b", (2,))
+    err = _error(capsys, *TINY, "--mesh", "2", "--plan", path)
+    assert "made for model 'llama3-8b', not 'llama-tiny'" in err
+
+
+def test_unknown_plan_and_pass_are_refused(capsys):
+    assert "neither one of auto" in _error(capsys, *TINY, "--plan", "zero3")
+    assert "unknown pass 'fuse_all'" in _error(capsys, *TINY, "--passes", "fuse_all")
