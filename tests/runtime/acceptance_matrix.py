@@ -55,7 +55,7 @@ def main() -> int:
                            baseline or "auto")
                     lowered_ok = as_json(prog.collectives()) == as_json(plan.collectives)
                     by_world.setdefault(mesh.size, []).append((key, prog, lowered_ok, t1 - t0, t2 - t1))
-    for world, items in sorted(by_world.items()):
+    for _world, items in sorted(by_world.items()):
         t0 = time.perf_counter()
         results = run_many([p for _, p, _, _, _ in items], check=True)
         run_s = time.perf_counter() - t0
