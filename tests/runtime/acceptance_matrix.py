@@ -43,16 +43,22 @@ def main() -> int:
             for text in args.meshes.split(","):
                 mesh = parse_mesh(text)
                 for baseline in (*BASELINES, None):
-                    t0 = time.perf_counter()
-                    plan = make_plan(traced, mesh, baseline=baseline)
-                    if plan is None:
-                        continue
-                    t1 = time.perf_counter()
-                    prog = lower(traced, plan)
-                    t2 = time.perf_counter()
-                    prog.model = get_model(model, **SHAPE)
                     key = (model.split("/")[-2] if model.startswith("hf:") else model, mode, text,
                            baseline or "auto")
+                    t0 = time.perf_counter()
+                    try:
+                        plan = make_plan(traced, mesh, baseline=baseline)
+                        if plan is None:
+                            continue
+                        t1 = time.perf_counter()
+                        prog = lower(traced, plan)
+                    except Exception as e:  # report the configuration and go on with the others
+                        failures += 1
+                        rows.append((*key, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}",
+                                     "", "", "", "", ""))
+                        continue
+                    t2 = time.perf_counter()
+                    prog.model = get_model(model, **SHAPE)
                     lowered_ok = as_json(prog.collectives()) == as_json(plan.collectives)
                     by_world.setdefault(mesh.size, []).append((key, prog, lowered_ok, t1 - t0, t2 - t1))
     for _world, items in sorted(by_world.items()):
