@@ -122,6 +122,7 @@ class StepData:
     params: dict[str, torch.Tensor]
     inputs: tuple[torch.Tensor, ...]
     module: torch.nn.Module | None = None
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # real values of fake graph constants
 
 
 def make_step_data(program: SPMDProgram, seed: int = 0, model=None) -> StepData:
@@ -136,7 +137,11 @@ def make_step_data(program: SPMDProgram, seed: int = 0, model=None) -> StepData:
             module.eval()
         named = dict(module.named_parameters())
         params = {k: named[k].detach() for k in traced.params}
-        return StepData(params, tuple(spec.example_inputs(traced.train, seed)), module)
+        return StepData(params, tuple(spec.example_inputs(traced.train, seed)), module,
+                        real_constants(program.gm, module))
+    if fake_constants(program.gm):
+        raise UserError("the program holds constants traced from fake buffers; pass the model "
+                        "(a ModelSpec) so that they get real values.")
     g = torch.Generator().manual_seed(seed)
     lay = program.param_layouts()
     params = {k: (torch.randn(lay[k].shape, generator=g) * RANDOM_INIT_STD).to(lay[k].dtype)
@@ -150,6 +155,28 @@ def make_step_data(program: SPMDProgram, seed: int = 0, model=None) -> StepData:
         else:
             inputs.append(torch.randint(0, RANDOM_INT_HIGH, x.shape, generator=g).to(x.dtype))
     return StepData(params, tuple(inputs))
+
+
+def fake_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Tensor attributes of ``gm`` that are fake: buffers the model was traced with (rotary
+    frequencies...) captured as graph constants, with no data behind them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    consts = {**dict(gm.named_buffers()), **{k: v for k, v in vars(gm).items() if isinstance(v, torch.Tensor)}}
+    return {k: v for k, v in consts.items() if isinstance(v, FakeTensor)}
+
+
+def real_constants(gm: torch.fx.GraphModule, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The real value of each fake constant: the module's buffer of its shape and dtype. Tracing
+    does not keep buffer names, so several candidates must agree, else the graph is refused."""
+    out = {}
+    for name, fake in fake_constants(gm).items():
+        cands = [b for b in module.buffers() if b.shape == fake.shape and b.dtype == fake.dtype]
+        if not cands or any(not torch.equal(c, cands[0]) for c in cands[1:]):
+            raise UserError(f"the graph constant {name} of shape {list(fake.shape)} matches "
+                            f"{len(cands)} different buffers of the model; it cannot be given a value.")
+        out[name] = cands[0].detach().clone()
+    return out
 
 
 def reference(program: SPMDProgram,
@@ -221,8 +248,8 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     gm.recompile()
 
 
-def _bind(program: SPMDProgram, backend: str, rank: int) -> torch.fx.GraphModule:
-    """``program.gm`` on this process's real groups and device (a copy)."""
+def _bind(program: SPMDProgram, data: StepData, backend: str, rank: int) -> torch.fx.GraphModule:
+    """``program.gm`` on this process's real groups and device, with real constants (a copy)."""
     import copy
 
     from torch.distributed.device_mesh import DeviceMesh
@@ -230,8 +257,14 @@ def _bind(program: SPMDProgram, backend: str, rank: int) -> torch.fx.GraphModule
     mesh = program.mesh
     device = _device_for(backend, rank)
     dm = DeviceMesh(device.type, torch.arange(mesh.size).view(mesh.shape), mesh_dim_names=mesh.names)
-    gm = copy.deepcopy(program.gm)
+    # A new module over a copy of the graph; attributes (constants) are shared, not copied.
+    gm = torch.fx.GraphModule(program.gm, copy.deepcopy(program.gm.graph))
     rename_groups(gm, {old: dm.get_group(d).group_name for old, d in program.group_dims.items()})
+    for name, value in data.constants.items():
+        if name in gm._buffers:
+            gm._buffers[name] = value
+        else:
+            setattr(gm, name, value)
     retarget_device(gm, device)
     return gm
 
@@ -240,7 +273,7 @@ def _run_rank(programs: Sequence[SPMDProgram], datas: Sequence[StepData], backen
               fault: Fault | None) -> _RankOutput:
     outs, counts = [], []
     for program, data in zip(programs, datas, strict=True):
-        gm = _bind(program, backend, rank)
+        gm = _bind(program, data, backend, rank)
         device = _device_for(backend, rank)
         args = [a.to(device) for a in program.local_args(data.params, data.inputs, rank)]
         if fault is not None and fault.rank == rank:
