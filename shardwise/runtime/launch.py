@@ -162,7 +162,8 @@ def fake_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     frequencies...) captured as graph constants, with no data behind them."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    consts = {**dict(gm.named_buffers()), **{k: v for k, v in vars(gm).items() if isinstance(v, torch.Tensor)}}
+    consts = dict(gm.named_buffers())
+    consts.update({k: v for k, v in vars(gm).items() if isinstance(v, torch.Tensor)})
     return {k: v for k, v in consts.items() if isinstance(v, FakeTensor)}
 
 
