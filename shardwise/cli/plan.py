@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save", default=None, help="write the plan as JSON to this path")
     p.add_argument("--no-baselines", action="store_true", help="skip planning the hand-written baselines")
     p.add_argument("--no-cluster", action="store_true", help="plan every layer separately")
+    p.add_argument("--constrain", action="append", default=[], metavar="NAME=PLACEMENTS",
+                   help="fix a parameter's (or input's) placement, e.g. output.weight=S(0),R; repeatable")
     p.set_defaults(handler=run)
 
 
@@ -30,6 +32,26 @@ def add_mesh_options(p: argparse.ArgumentParser, default: str = "8x8") -> None:
     p.add_argument("--mesh", default=default, help="mesh shape, e.g. 8x8 or 4")
     p.add_argument("--mesh-names", default=None, help="names of the mesh dims, e.g. dp,tp")
     p.add_argument("--hardware", default="h100", help="h100 | h200 | a100 | b200 | cpu | spec.toml")
+
+
+def parse_constraints(items: list[str], traced, mesh_ndim: int):
+    """``NAME=S(0),R`` pairs into planner Constraints (parameters by name, inputs by placeholder)."""
+    from shardwise.plan import Constraints
+    from shardwise.plan.placement import parse_placements
+
+    params, inputs = {}, {}
+    for item in items:
+        name, sep, rhs = item.partition("=")
+        if not sep:
+            raise UserError(f"constraint {item!r} is malformed; write NAME=PLACEMENTS, e.g. output.weight=S(0),R.")
+        ps = parse_placements(rhs.split(","))
+        if len(ps) != mesh_ndim:
+            raise UserError(f"constraint {item!r} gives {len(ps)} placements for a {mesh_ndim}-dim mesh.")
+        if name in traced.inputs:
+            inputs[name] = ps
+        else:
+            params[name] = ps
+    return Constraints(params, inputs)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -49,8 +71,9 @@ def run(args: argparse.Namespace) -> dict:
                          seq=args.seq, dtype=args.dtype)
     canonicalize(traced)
     trace_s = time.perf_counter() - t0
+    constraints = parse_constraints(args.constrain, traced, mesh.ndim)
     plan = make_plan(traced, mesh, memory_budget=budget, clustering=not args.no_cluster,
-                     time_limit_s=args.time_limit)
+                     time_limit_s=args.time_limit, constraints=constraints)
     if plan.status == "infeasible":
         floor = plan.info.get("min_memory_bytes")
         raise UserError(f"no plan fits {plan.info['memory_budget_bytes'] / 2**30:.2f} GiB per device; the "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import fx
@@ -50,32 +49,39 @@ class PlannerCosts:
     def __post_init__(self) -> None:
         self.topology = MeshTopology(self.mesh_shape, self.hw)
         self._node_cache: dict[tuple, float] = {}
-        self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
+        self._node_facts: dict[fx.Node, tuple] = {}
+        self._reshard_cache: dict[tuple, tuple[Placements, Placements, ReshardCost]] = {}
 
     def compute_time(self, node: fx.Node, s: Strategy) -> float:
         """Roofline time of ``node`` run with strategy ``s`` on local shapes."""
         if node.op != "call_function" or is_view(node) or node.target is operator.getitem:
             return 0.0  # no kernel: metadata only, or an element of a tuple another op computed
-        outs = flat_tensor_vals(node)
+        facts = self._node_facts.get(node)
+        if facts is None:
+            outs = flat_tensor_vals(node)
+            args = [a.meta["val"] for a in tensor_args(node)]
+            key = (node.target, tuple(tuple(v.shape) for v in outs), tuple(tuple(a.shape) for a in args))
+            facts = self._node_facts[node] = (outs, args, key, node_cost(node) if outs else None)
+        outs, args, key, glob = facts
         if not outs:
             return 0.0
-        key = (node.target, tuple(tuple(v.shape) for v in outs), s,
-               tuple(tuple(a.meta["val"].shape) for a in tensor_args(node)))
-        hit = self._node_cache.get(key)
+        hit = self._node_cache.get((key, s))
         if hit is not None:
             return hit
-        glob = node_cost(node)
         div = work_factor(s.output[0], self.mesh_shape)
-        reads = sum(local_bytes(a.meta["val"], p, self.mesh_shape)
-                    for a, p in zip(tensor_args(node), s.inputs, strict=False))
+        reads = sum(local_bytes(a, p, self.mesh_shape) for a, p in zip(args, s.inputs, strict=False))
         writes = sum(local_bytes(v, p, self.mesh_shape) for v, p in zip(outs, s.output, strict=False))
         t = roofline_time(NodeCost(glob.flops // div, reads, writes), self.hw, outs[0].dtype)
-        self._node_cache[key] = t
+        self._node_cache[(key, s)] = t
         return t
 
     def reshard(self, src: Placements, dst: Placements, val: torch.Tensor) -> ReshardCost:
-        return self._reshard(src, dst, tuple(val.shape), val.element_size())
-
-    def _reshard_uncached(self, src: Placements, dst: Placements, shape: tuple[int, ...],
-                          itemsize: int) -> ReshardCost:
-        return reshard_cost(src, dst, shape, itemsize, self.topology)
+        """Redistribution cost; keyed on object identity (strategies hold interned placements,
+        see ``strategies.intern``) because hashing placement objects dominates the ILP build."""
+        key = (id(src), id(dst), val.shape, val.dtype)
+        hit = self._reshard_cache.get(key)
+        if hit is None:
+            cost = reshard_cost(src, dst, tuple(val.shape), val.element_size(), self.topology)
+            # Keeping src and dst in the entry keeps them alive, so their ids stay theirs.
+            hit = self._reshard_cache[key] = (src, dst, cost)
+        return hit[2]

@@ -46,7 +46,7 @@ from shardwise.plan.cluster import Clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.placement import Placements
 from shardwise.plan.plan import tensor_args
-from shardwise.plan.strategies import NodeStrategies, Strategy
+from shardwise.plan.strategies import NodeStrategies, Strategy, intern
 
 GRAD_SINK = -1  # argument index of a gradient -> parameter-placement edge
 LOSS_SINK = -2  # argument index of the loss -> Replicate edge
@@ -183,7 +183,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         val = example[(u, v, j)].meta["val"]
         supply = _supply(ns, xs, clus, u)
         if j == LOSS_SINK:
-            demand = {(Replicate(),) * len(costs.mesh_shape): [one]}
+            demand = {intern((Replicate(),) * len(costs.mesh_shape)): [one]}
         elif j == GRAD_SINK:
             demand = _supply(ns, xs, clus, v)
         else:
@@ -266,15 +266,13 @@ def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx
 
     def add(node: fx.Node, per_byte: float) -> None:
         nonlocal floor
-        r = clus.rep[node]
-        if r not in xs:
-            return
         val = node.meta["val"]
-        sizes = [local_bytes(val, s.output[0], costs.mesh_shape) * per_byte for s in ns[r].strategies]
-        for vs, b in zip(xs[r], sizes, strict=True):
+        supply = _supply(ns, xs, clus, node)
+        sizes = {p: local_bytes(val, p, costs.mesh_shape) * per_byte for p in supply}
+        for p, vs in supply.items():
             for v in vs:
-                terms[v] += b
-        floor += min(sizes)
+                terms[v] += sizes[p]
+        floor += min(sizes.values())
 
     for n in traced.gm.graph.nodes:
         if n.op == "placeholder" and n.name in ph_params:

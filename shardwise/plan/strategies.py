@@ -14,9 +14,11 @@ chosen output (``NodeStrategies.alias_of``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import operator
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -262,6 +264,45 @@ def _single_dim_strategies(node: fx.Node, schema: OpSchema, info, mesh: DeviceMe
     return out
 
 
+@contextlib.contextmanager
+def _no_redistribute_costs():
+    """DTensor's strategy functions price every input redistribution with their own cost model;
+    we price edges ourselves, so skip that work (it is most of the enumeration time)."""
+    import torch.distributed.tensor._ops as ops_pkg
+
+    def zeros(input_strategy, *args, **kwargs):
+        return [0.0] * len(input_strategy.strategies)
+
+    def zero(*args, **kwargs):
+        return 0.0
+
+    saved = []
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith(ops_pkg.__name__):
+            continue
+        for attr, repl in (("generate_redistribute_costs", zeros), ("redistribute_cost", zero)):
+            if hasattr(mod, attr):
+                saved.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, repl)
+    try:
+        yield
+    finally:
+        for mod, attr, fn in saved:
+            setattr(mod, attr, fn)
+
+
+_INTERNED: dict[Placements, Placements] = {}
+
+
+def intern(ps: Placements) -> Placements:
+    """One object per distinct placements tuple, so hot loops can key caches on ``id``."""
+    return _INTERNED.setdefault(ps, ps)
+
+
+def _interned(s: Strategy) -> Strategy:
+    return Strategy(tuple(intern(p) for p in s.output), tuple(intern(p) for p in s.inputs))
+
+
 def enumerate_strategies(gm: fx.GraphModule, mesh: DeviceMesh,
                          placeholder_filter: Callable[[fx.Node, Placements], bool] | None = None,
                          rep: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, NodeStrategies]:
@@ -270,6 +311,14 @@ def enumerate_strategies(gm: fx.GraphModule, mesh: DeviceMesh,
     With ``rep`` (from clustering), only representatives are enumerated; other nodes reuse their
     representative's choices.
     """
+    with _no_redistribute_costs():
+        result = _enumerate(gm, mesh, placeholder_filter, rep)
+    for ns in result.values():
+        ns.strategies = [_interned(s) for s in ns.strategies]
+    return result
+
+
+def _enumerate(gm, mesh, placeholder_filter, rep) -> dict[fx.Node, NodeStrategies]:
     mesh_shape = tuple(mesh.shape)
     result: dict[fx.Node, NodeStrategies] = {}
     choices: dict[fx.Node, list[Placements]] = {}

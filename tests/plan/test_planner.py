@@ -1,0 +1,123 @@
+"""Planner behaviour on small models: optimality under clustering, baselines, memory, plan files."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+
+from shardwise.errors import UserError
+from shardwise.ir.trace import trace_model
+from shardwise.mesh import Mesh
+from shardwise.passes.pipeline import canonicalize
+from shardwise.plan import BASELINES, Constraints, Plan, estimate, make_plan
+from shardwise.plan.cluster import cluster
+
+MESH = Mesh((2,), hardware="h100")
+
+
+def _traced(layers: int, *, batch: int = 8, seq: int = 64):
+    tr = trace_model("llama-tiny", layers=layers, batch=batch, seq=seq)
+    canonicalize(tr)
+    return tr
+
+
+@pytest.fixture(scope="module")
+def tiny2():
+    return _traced(2)
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_clustering_keeps_the_optimum(layers):
+    tr = _traced(layers)
+    on = make_plan(tr, MESH)
+    off = make_plan(tr, MESH, clustering=False)
+    assert on.status == off.status == "optimal"
+    assert math.isclose(on.info["objective_s"], off.info["objective_s"], rel_tol=1e-6)
+    assert on.info["ilp"]["variables"] < off.info["ilp"]["variables"]
+
+
+def test_identical_layers_share_variables():
+    two, four = _traced(2), _traced(4)
+    c2, c4 = cluster(two), cluster(four)
+    # Two more layers add nodes to the graph but no representatives.
+    assert len(c4.rep) > len(c2.rep)
+    assert len(c4.representatives) == len(c2.representatives)
+
+
+def test_objective_equals_node_by_node_estimate(tiny2):
+    plan = make_plan(tiny2, MESH)
+    total = plan.estimate.total_s
+    again = estimate(tiny2, plan)
+    assert math.isclose(plan.info["objective_s"], total, rel_tol=1e-6)
+    assert math.isclose(again.total_s, total, rel_tol=1e-12)
+
+
+def test_auto_never_worse_than_a_baseline(tiny2):
+    auto = make_plan(tiny2, MESH)
+    priced = 0
+    for name in BASELINES:
+        b = make_plan(tiny2, MESH, baseline=name)
+        if b is None:
+            continue
+        priced += 1
+        assert b.status == "optimal"
+        assert auto.estimate.total_s <= b.estimate.total_s * (1 + 1e-9)
+    assert priced >= 2  # ddp and fsdp apply on a 1-D mesh
+
+
+def test_baselines_fix_what_they_say(tiny2):
+    ddp = make_plan(tiny2, MESH, baseline="ddp")
+    fsdp = make_plan(tiny2, MESH, baseline="fsdp")
+    assert all(ps == (Replicate(),) for ps in ddp.params.values())
+    assert fsdp.params["layers.0.attention.wq.weight"] == (Shard(0),)
+    # FSDP keeps less per device than DDP, and its gradients are reduce-scattered.
+    assert fsdp.estimate.memory_bytes < ddp.estimate.memory_bytes
+    assert "reduce_scatter" in fsdp.collectives
+    # fsdp_tp needs a tp mesh dim.
+    assert make_plan(tiny2, MESH, baseline="fsdp_tp") is None
+
+
+def test_memory_budget_binds(tiny2):
+    free = make_plan(tiny2, MESH)
+    tight = make_plan(tiny2, MESH, memory_budget=free.estimate.memory_bytes * 0.7)
+    assert tight.status == "optimal"
+    assert tight.estimate.memory_bytes <= free.estimate.memory_bytes * 0.7
+    sharded = lambda p: sum(any(isinstance(x, Shard) for x in ps) for ps in p.params.values())  # noqa: E731
+    assert sharded(tight) > sharded(free)
+    impossible = make_plan(tiny2, MESH, memory_budget=1000)
+    assert impossible.status == "infeasible"
+    assert impossible.info["min_memory_bytes"] > 1000
+
+
+def test_constraints(tiny2):
+    want = (Shard(0),)
+    plan = make_plan(tiny2, MESH, constraints=Constraints({"output.weight": want}, {}))
+    assert plan.params["output.weight"] == want
+    with pytest.raises(UserError, match="nope"):
+        make_plan(tiny2, MESH, constraints=Constraints({"nope": want}, {}))
+
+
+def test_plan_file_round_trip(tiny2, tmp_path):
+    plan = make_plan(tiny2, MESH, baseline="fsdp")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    back = Plan.load(path)
+    assert back.nodes == plan.nodes and back.params == plan.params and back.outputs == plan.outputs
+    assert back.collectives == plan.collectives
+    back.check_matches(plan.model, plan.mesh_shape, plan.train, plan.fingerprint)
+    with pytest.raises(UserError, match="mesh 2, not 4"):
+        back.check_matches(plan.model, (4,), plan.train, plan.fingerprint)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UserError, match="cannot be read"):
+        Plan.load(tmp_path / "bad.json")
+
+
+def test_inference_outputs_are_not_partial():
+    tr = trace_model("llama-tiny", train=False, layers=1, batch=8, seq=64)
+    canonicalize(tr)
+    plan = make_plan(tr, Mesh((2, 2)))
+    assert plan.status == "optimal"
+    for ps in plan.outputs:
+        assert all(isinstance(p, (Shard, Replicate)) for p in ps)
