@@ -17,10 +17,21 @@ and DTensor that disagree are a bug the consistency check reports). The whole in
 traced with ``make_fx`` on local fake tensors, so the result is a plain ATen graph holding
 ``torch.ops._c10d_functional`` collectives and their ``wait_tensor``.
 
-Rank dependence: a few redistributions read the rank's mesh coordinate (``Replicate -> Shard``
-keeps one chunk; a vocab-sharded embedding masks by its offset), so the traced graph is the
-graph of one rank. ``lower`` traces rank ``rank`` on a fake process group; the runtime lowers each
-rank in its own process on the real group (``lower_on``), which also gives the real group names.
+One graph for every rank: a few redistributions read the rank's mesh coordinate (``Replicate ->
+Shard`` keeps one chunk; a vocab-sharded lookup masks by its offset). They are traced with
+DTensor's ``compile_on_one_rank`` switched on, so the coordinate is computed at run time by
+``device_mesh._runtime_compute_coordinate_on_dim`` from the process's rank instead of being baked
+in; ``S(i) -> S(j)`` is one ``all_to_all_single`` (``shard_dim_all_to_all``). Collectives name
+the process groups of the mesh lowered on (a fake group); the runtime renames them to the real
+ones (``rename_groups``, by mesh dim). Moves DTensor refuses are done locally: ``R -> P`` keeps
+``1/n`` of a sum on each rank, and DTensor's masked partial is resolved to a plain pending sum
+as soon as the lookup is made (its mask would be consumed by the first of several readers).
+
+Every graph output is delivered where the plan's sinks say (``output_sinks``): the loss
+replicated, each gradient in its parameter's placement. The planner prices exactly these moves,
+one per (producer, consumer argument) edge, which the lowering reproduces one for one, so the
+collectives in ``gm`` (``SPMDProgram.collectives``) must equal ``Plan.collectives``;
+``node_collectives`` attributes them to canonical-graph nodes when they do not.
 
 Conditions: the plan was made for this graph (fingerprint); every ``Shard`` divides its dim
 evenly (the planner only proposes such shards); a node without a plan entry is left to DTensor.
@@ -489,7 +500,7 @@ def lower(traced: Traced, plan: Plan, *, rank: int = 0) -> SPMDProgram:
 
 def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
              device: torch.device | str = "cpu") -> SPMDProgram:
-    """Lower on an existing DeviceMesh (the real one in a worker): collectives name its groups."""
+    """Lower on an existing DeviceMesh (fake or real): the collectives name its process groups."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = torch.device(device)
