@@ -12,7 +12,7 @@ from shardwise.ir.match import all_collectives
 from shardwise.lower import Layout, lower
 from shardwise.lower.spmd import mesh_coordinate
 from shardwise.runtime.counter import as_json, count_graph
-from tests.lower.hand_plans import R, S0, hand_plan, tiny_mlp_traced, transpose_plan
+from tests.lower.hand_plans import S0, R, hand_plan, tiny_mlp_traced, transpose_plan
 
 
 @pytest.mark.parametrize("placements,mesh_shape", [
