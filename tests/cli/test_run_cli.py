@@ -76,3 +76,18 @@ def test_plan_file_for_another_model_is_refused(capsys, tmp_path):
 def test_unknown_plan_and_pass_are_refused(capsys):
     assert "neither one of auto" in _error(capsys, *TINY, "--plan", "zero3")
     assert "unknown pass 'fuse_all'" in _error(capsys, *TINY, "--passes", "fuse_all")
+
+
+@pytest.mark.slow
+def test_a_failed_rank_exits_nonzero_naming_it(capsys, monkeypatch):
+    """A planted fault on rank 1 (the API's test-only option, reached through the CLI's runner)."""
+    from shardwise.runtime import Fault, launch
+
+    real_run = launch.run
+    monkeypatch.setattr(launch, "run", lambda program, backend, **kw: real_run(
+        program, backend, fault=Fault(1, "raise"), **kw))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *TINY, "--mesh", "2", "--plan", "ddp", "--json"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "shardwise run: error: rank 1 failed: RuntimeError: planted fault on rank 1."
