@@ -105,6 +105,15 @@ def test_planned_steps_match_reference_and_prediction():
     assert results[0].loss == pytest.approx(results[0].loss_ref, rel=MAX_REL_ERR)
 
 
+def test_tensor_parallel_plan_on_a_2x2_mesh():
+    """FSDP on dp with Megatron TP and sequence-parallel norms on tp."""
+    prog = _program("llama-tiny", True, Mesh((2, 2), ("dp", "tp")), "fsdp_tp_sp")
+    res = run(prog, check=True)
+    _check([res], [prog])
+    assert as_json(res.measured) == as_json(prog.plan.collectives)
+    assert {"all_gather", "reduce_scatter"} <= set(as_json(res.measured))
+
+
 def test_hf_llama_steps_match_the_reference():
     """A transformers Llama (SDPA with an explicit mask), training and inference, data parallel."""
     name = hf_model_name("llama")
