@@ -30,7 +30,7 @@ from shardwise.ir.match import is_op
 from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh
 from shardwise.plan.placement import Placements
-from shardwise.plan.strategies import divides_evenly
+from shardwise.plan.strategies import divides_evenly, flat_tensor_vals
 
 BASELINES = ("ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp")
 TP = "tp"
@@ -121,7 +121,7 @@ def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placem
         if want is not None:
             return ps == want
         if node.name in norm_nodes:
-            val = node.meta["val"]
+            val = flat_tensor_vals(node)[0]
             target = tuple(p if not (isinstance(p, Shard) and p.dim >= val.dim()) else Replicate()
                            for p in spec.norm_outputs)
             return ps == target

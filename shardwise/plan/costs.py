@@ -32,7 +32,8 @@ def shard_factor(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
 
 def work_factor(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
     """How many ways an op's work is split: mesh dims where its output is sharded or partial."""
-    return math.prod(m for p, m in zip(placements, mesh_shape, strict=True) if isinstance(p, (Shard, Partial)))
+    return math.prod(m for p, m in zip(placements, mesh_shape, strict=True)
+                     if isinstance(p, (Shard, Partial)))
 
 
 def local_bytes(t: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...]) -> int:

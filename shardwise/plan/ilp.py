@@ -202,7 +202,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h.setOptionValue("output_flag", bool(__import__("os").environ.get("SHARDWISE_HIGHS_LOG")))
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     h.setOptionValue("threads", 1)

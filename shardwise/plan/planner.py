@@ -131,7 +131,8 @@ def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: 
             fixed[traced.params[pname]] = ps
         for iname, ps in constraints.inputs.items():
             if iname not in traced.inputs:
-                raise UserError(f"the constraint names input {iname!r}; inputs are {', '.join(traced.inputs)}.")
+                raise UserError(f"the constraint names input {iname!r}; inputs are "
+                                f"{', '.join(traced.inputs)}.")
             fixed[iname] = ps
 
     def allowed(node: fx.Node, ps: Placements) -> bool:

@@ -17,7 +17,8 @@ def _compute_consumer(node: fx.Node, plan: Plan) -> tuple[fx.Node, int] | None:
             continue
         spec = plan.nodes.get(u.name)
         args = tensor_args(u)
-        if len(args) == 1 and spec is not None and spec.inputs and spec.inputs[0] == plan.nodes[node.name].output[0]:
+        same = spec is not None and spec.inputs and spec.inputs[0] == plan.nodes[node.name].output[0]
+        if len(args) == 1 and same:
             deeper = _compute_consumer(u, plan)
             if deeper is not None:
                 return deeper

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise.plan.placement import Placements
@@ -119,27 +120,57 @@ def register_rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
     return deco
 
 
+def _attention_input(node: fx.Node, i: int, p: Placement) -> Placement:
+    """Placement of attention argument ``i`` when batch (S(0)) or heads (S(1)) are sharded:
+    q/k/v/out/grads follow; a broadcast mask (size 1 on that dim) stays replicated."""
+    if isinstance(p, Replicate):
+        return p
+    val = tensor_args(node)[i].meta["val"]
+    return p if val.dim() > p.dim and val.shape[p.dim] > 1 else Replicate()
+
+
+def _attention_rule(node: fx.Node, n_out: int) -> list[Strategy]:
+    """CPU flash attention (forward or backward) over [B, H, S, D] tensors: batch and heads
+    shard, as in DTensor's rule for the CUDA kernels; everything replicated is always valid."""
+    n_in = len(tensor_args(node))
+    per_dim = [((p,) * n_out, tuple(_attention_input(node, i, p) for i in range(n_in)))
+               for p in (Replicate(), Shard(0), Shard(1))]
+    return per_dim
+
+
 @register_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _sdpa_cpu(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
-    """CPU flash attention: (out, logsumexp) over q, k, v of [B, H, S, D]; batch and heads shard
-    (the same rule DTensor uses for the CUDA kernels); everything replicated is always valid."""
-    per_dim = [
-        ((Replicate(), Replicate()), (Replicate(),) * 3),
-        ((Shard(0), Shard(0)), (Shard(0),) * 3),
-        ((Shard(1), Shard(1)), (Shard(1),) * 3),
-    ]
-    return _combine_per_mesh_dim(per_dim, mesh.ndim)
+    """(out, logsumexp) from (q, k, v[, mask])."""
+    return _combine_per_mesh_dim(_attention_rule(node, 2), mesh.ndim)
 
 
 @register_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def _sdpa_cpu_bwd(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
-    """Backward of the CPU flash attention: (dq, dk, dv) from (dout, q, k, v, out, logsumexp)."""
-    per_dim = [
-        ((Replicate(),) * 3, (Replicate(),) * 6),
-        ((Shard(0),) * 3, (Shard(0),) * 6),
-        ((Shard(1),) * 3, (Shard(1),) * 6),
-    ]
-    return _combine_per_mesh_dim(per_dim, mesh.ndim)
+    """(dq, dk, dv) from (dout, q, k, v, out, logsumexp[, mask])."""
+    return _combine_per_mesh_dim(_attention_rule(node, 3), mesh.ndim)
+
+
+def _norm_rule(n_out: int, n_act: int, n_weight: int):
+    """RMSNorm family: normalises over the last dim, so activations shard on any other dim (all
+    alike) and the weight stays replicated; pending sums must be reduced first."""
+
+    def rule(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
+        rank = tensor_args(node)[0].meta["val"].dim()
+        per_dim = [((p,) * n_out, (p,) * n_act + (Replicate(),) * n_weight)
+                   for p in [Replicate()] + [Shard(d) for d in range(rank - 1)]]
+        return _combine_per_mesh_dim(per_dim, mesh.ndim)
+
+    return rule
+
+
+def register_norm_rules() -> None:
+    """Rules for shardwise's own norm ops (DTensor knows nothing of them)."""
+    import shardwise.ir.ops  # noqa: F401  (registers torch.ops.shardwise)
+
+    ops = torch.ops.shardwise
+    register_rule(ops.rms_norm.default)(_norm_rule(1, 1, 1))
+    register_rule(ops.add_rms_norm.default)(_norm_rule(1, 2, 1))
+    register_rule(ops.add_rms_norm2.default)(_norm_rule(2, 2, 1))
 
 
 @register_rule(aten.einsum.default)
@@ -154,6 +185,9 @@ def _einsum(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) ->
         out.append(Strategy((tuple(spec.output_spec.placements),),
                             tuple(tuple(s.placements) for s in spec.input_specs)))
     return out
+
+
+register_norm_rules()
 
 
 def _combine_per_mesh_dim(per_dim, ndim: int) -> list[Strategy]:
@@ -183,10 +217,15 @@ def _out_vals(node: fx.Node) -> list[torch.Tensor | None]:
     return []
 
 
+def _strategy_specs(result) -> list[OpSpec] | None:
+    """The OpSpecs of a strategy function's result (None for per-output tuple strategies, which
+    our graphs do not need)."""
+    return None if isinstance(result, TupleStrategy) else list(result.strategies)
+
+
 def _dtensor_strategies(node: fx.Node, arg_choices: dict[fx.Node, list[Placements]],
                         mesh: DeviceMesh) -> list[Strategy] | None:
     """Ask DTensor's propagator for the op's strategies; None when it has no rule."""
-    from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
 
     prop = DTensor._op_dispatcher.sharding_propagator
     op = node.target
@@ -195,29 +234,42 @@ def _dtensor_strategies(node: fx.Node, arg_choices: dict[fx.Node, list[Placement
     if single is None and func is None:
         return None
 
-    def to_strategy(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                tm = _tensor_meta(v)
-                return OpStrategy([OpSpec(DTensorSpec(mesh, p, tensor_meta=tm)) for p in arg_choices[a]])
-            return v
-        return a
+    def schema_for(choices: dict[fx.Node, list[Placements]]) -> OpSchema:
+        def to_strategy(a):
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    tm = _tensor_meta(v)
+                    return OpStrategy([OpSpec(DTensorSpec(mesh, p, tensor_meta=tm)) for p in choices[a]])
+                return v
+            return a
 
-    args = tree_map(to_strategy, node.args, is_leaf=lambda x: isinstance(x, fx.Node))
-    kwargs = tree_map(to_strategy, node.kwargs, is_leaf=lambda x: isinstance(x, fx.Node))
-    args = tuple(TupleStrategy(tuple(a)) if isinstance(a, list) and a and all(isinstance(x, OpStrategy) for x in a)
-                 else a for a in args)
-    schema = OpSchema(op, args, kwargs, schema_info=prop.op_to_schema_info.get(op)
-                      or prop.op_to_schema_info_for_single_dim_strategy.get(op))
+        args = tree_map(to_strategy, node.args, is_leaf=lambda x: isinstance(x, fx.Node))
+        kwargs = tree_map(to_strategy, node.kwargs, is_leaf=lambda x: isinstance(x, fx.Node))
+        args = tuple(TupleStrategy(tuple(a)) if isinstance(a, list) and a
+                     and all(isinstance(x, OpStrategy) for x in a) else a for a in args)
+        return OpSchema(op, args, kwargs, schema_info=prop.op_to_schema_info.get(op)
+                        or prop.op_to_schema_info_for_single_dim_strategy.get(op))
+
     if single is not None:
-        return _single_dim_strategies(node, schema, single, mesh)
-    result = func(schema)
-    if isinstance(result, TupleStrategy):
-        return None  # ops returning per-output strategy lists (rare in our graphs): not handled
+        return _single_dim_strategies(node, schema_for(arg_choices), single, mesh)
+    try:
+        specs = _strategy_specs(func(schema_for(arg_choices)))
+    except (IndexError, AssertionError):
+        # Some rules (nll_loss) index every input's strategy list by the first input's position:
+        # ask once per placement of the first input, the others offered whole (replicated).
+        targs = tensor_args(node)
+        rep = (Replicate(),) * mesh.ndim
+        specs = []
+        for p in arg_choices[targs[0]]:
+            one = {a: [rep] for a in targs}
+            one[targs[0]] = [p]
+            specs.extend(_strategy_specs(func(schema_for(one))) or [])
+    if specs is None:
+        return None
     n_in = len(tensor_args(node))
     strategies = []
-    for spec in result.strategies:
+    for spec in specs:
         outs = spec.output_specs
         out_ps = (tuple(_placements_of(o) or (Replicate(),) * mesh.ndim for o in outs)
                   if isinstance(outs, (tuple, list)) else (_placements_of(outs),))
@@ -242,13 +294,15 @@ def _single_dim_strategies(node: fx.Node, schema: OpSchema, info, mesh: DeviceMe
     def one_spec(s):
         if isinstance(s, OpStrategy):
             sp = s.strategies[0].output_spec
-            return OpStrategy([OpSpec(DTensorSpec(mesh, (Shard(0),) * mesh.ndim, tensor_meta=sp.tensor_meta))])
+            spec = DTensorSpec(mesh, (Shard(0),) * mesh.ndim, tensor_meta=sp.tensor_meta)
+            return OpStrategy([OpSpec(spec)])
         if isinstance(s, TupleStrategy):
             return TupleStrategy(tuple(one_spec(c) for c in s.children))
         return s
 
     probe = OpSchema(schema.op, tuple(one_spec(a) for a in schema.args_schema),
-                     {k: one_spec(v) for k, v in schema.kwargs_schema.items()}, schema_info=schema.schema_info)
+                     {k: one_spec(v) for k, v in schema.kwargs_schema.items()},
+                     schema_info=schema.schema_info)
     vals = _out_vals(node)
     out_meta = (_tensor_meta(vals[0]) if isinstance(node.meta.get("val"), torch.Tensor)
                 else [_tensor_meta(v) if v is not None else None for v in vals])
@@ -337,6 +391,9 @@ def _enumerate(gm, mesh, placeholder_filter, rep) -> dict[fx.Node, NodeStrategie
             if placeholder_filter is not None:
                 opts = [p for p in opts if placeholder_filter(node, p)]
             ns.strategies = [Strategy((p,), ()) for p in opts]
+        elif node.op == "get_attr":  # a constant the trace captured: every rank holds it whole
+            rep = (Replicate(),) * len(mesh_shape)
+            ns.strategies = [Strategy((rep,), ())] if isinstance(val, torch.Tensor) else []
         elif node.target is operator.getitem:
             parent, idx = node.args
             ns.alias_of = (parent, idx)
@@ -388,7 +445,7 @@ def _node_strategies(node: fx.Node, choices: dict[fx.Node, list[Placements]], me
     if found is not None:
         found = [s for s in dict.fromkeys(found) if _valid(s, out_shapes, in_shapes, mesh_shape)]
     if not found:
-        ns.fallback = bool(targs) or found is None
+        ns.fallback = bool(targs)  # factory ops (no tensor inputs) are simply replicated
         return [_replicated(node, len(mesh_shape))]
     return found
 

@@ -6,10 +6,4 @@ with ``torch.utils.flop_counter.register_flop_formula`` and its bytes in ``ir/fl
 Importing this package registers every op.
 """
 
-# isort: split
-from shardwise.ir.ops import collective_matmul  # noqa: E402,F401  (all_gather_matmul, matmul_reduce_scatter)
-
-from shardwise.ir.ops import norms  # noqa: E402,F401  (shardwise::rms_norm, add_rms_norm, add_rms_norm2)
-
-# isort: split
-from shardwise.ir.ops import segment  # noqa: E402,F401  (segment_set)
+from shardwise.ir.ops import collective_matmul, norms, segment  # noqa: F401  (registers the ops)
