@@ -43,7 +43,8 @@ def parse_constraints(items: list[str], traced, mesh_ndim: int):
     for item in items:
         name, sep, rhs = item.partition("=")
         if not sep:
-            raise UserError(f"constraint {item!r} is malformed; write NAME=PLACEMENTS, e.g. output.weight=S(0),R.")
+            raise UserError(f"constraint {item!r} is malformed; write NAME=PLACEMENTS, "
+                            "e.g. output.weight=S(0),R.")
         ps = parse_placements(rhs.split(","))
         if len(ps) != mesh_ndim:
             raise UserError(f"constraint {item!r} gives {len(ps)} placements for a {mesh_ndim}-dim mesh.")
