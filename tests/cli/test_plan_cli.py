@@ -1,0 +1,81 @@
+"""``shardwise plan``: the JSON report, saved plans, warnings for ops without a strategy, bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+import shardwise.ir.ops  # noqa: F401  (registers torch.ops.shardwise)
+from shardwise.cli import main
+from shardwise.ir.trace import trace
+from shardwise.mesh import Mesh
+from shardwise.plan import Plan, make_plan
+
+JSON_KEYS = {"status", "objective_s", "mip_gap", "timings", "ilp", "baselines", "params",
+             "memory_per_device_bytes", "collectives", "fallback_ops", "estimate"}
+TINY = ["--model", "llama-tiny", "--layers", "1", "--batch", "8", "--seq", "32"]
+
+
+def test_json_report_with_baselines_and_saved_plan(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    assert main(["plan", *TINY, "--mesh", "2", "--json", "--save", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == JSON_KEYS
+    assert out["status"] == "optimal"
+    assert set(out["timings"]) == {"trace_s", "strategies_s", "ilp_build_s", "solve_s", "total_s"}
+    assert set(out["ilp"]) == {"variables", "constraints", "clusters"} and out["ilp"]["variables"] > 0
+    assert set(out["baselines"]) == {"ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp"}
+    assert out["baselines"]["fsdp_tp"] is None  # no tp dim on a 1-D mesh
+    for name in ("ddp", "fsdp"):
+        assert out["objective_s"] <= out["baselines"][name] * (1 + 1e-9)
+    assert out["params"]["output.weight"] in (["R"], ["S(0)"], ["S(1)"])
+    plan = Plan.load(path)
+    assert {k: [str(p) for p in v] for k, v in out["params"].items()}.keys() == plan.params.keys()
+
+
+def test_constraint_is_honoured(capsys):
+    assert main(["plan", *TINY, "--mesh", "2", "--json", "--no-baselines",
+                 "--constrain", "output.weight=S(1)"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"]["output.weight"] == ["S(1)"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--mesh", "8x"], "malformed"),
+    (["--mesh", "0x8"], "size 0"),
+    (["--mesh", "2x2", "--mesh-names", "dp"], "do not match"),
+    (["--mesh", "2", "--constrain", "nope.weight=R"], "nope.weight"),
+    (["--mesh", "2", "--constrain", "output.weight=R,R"], "2 placements for a 1-dim mesh"),
+    (["--mesh", "2", "--memory", "1KiB", "--no-baselines"], "fully-sharded minimum"),
+    (["--mesh", "2", "--hardware", "tpu9"], "tpu9"),
+])
+def test_bad_input_is_one_sentence_and_exit_2(capsys, argv, needle):
+    assert main(["plan", *TINY, *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+class _Hinted(nn.Module):
+    """A model with an op the planner has no rule for (shardwise::segment_set)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.shardwise.segment_set(self.lin(x)).sum()
+
+
+def test_op_without_strategy_is_named_and_planned_replicated(caplog):
+    traced = trace(_Hinted(), torch.randn(4, 8), train=False)
+    with caplog.at_level(logging.WARNING):
+        plan = make_plan(traced, Mesh((2,)))
+    assert plan.status == "optimal"
+    assert plan.fallback_ops == ["shardwise.segment_set.default"]
+    assert "shardwise.segment_set.default" in caplog.text
+    seg = next(n for n in traced.gm.graph.nodes if "segment_set" in str(n.target))
+    assert all(isinstance(p, Replicate) for p in plan.nodes[seg.name].output[0])
