@@ -442,6 +442,8 @@ def _unmask(d: DTensor) -> DTensor:
     local = d.to_local()
     for p in masked:
         mask = p.mask_buffer.data
+        if mask is None:  # a mask shared with an earlier mesh dim: already applied and released
+            continue
         keep = ~(mask if local.dim() == mask.dim() else mask.unsqueeze(-1))
         local = local * keep.to(local.dtype)
         p.mask_buffer.release_mask()

@@ -8,8 +8,9 @@ by the same cost model as the auto plan and lowered by the same code:
 - ``ddp``: every parameter replicated; the batch split over every mesh dim.
 - ``fsdp``: every parameter sharded on dim 0 over every mesh dim; the batch split likewise.
 - ``fsdp_tp``: on ``tp`` Megatron column-parallel (wq/wk/wv/w1/w3, the output head: Shard(0) of
-  the ``[out, in]`` weight), row-parallel (wo/w2: Shard(1)), norms and embeddings replicated,
-  norm outputs replicated; on the other dims FSDP (Shard(0)) with the batch split.
+  the ``[out, in]`` weight), row-parallel (wo/w2: Shard(1)), the embedding split over the
+  vocabulary, norms replicated, norm outputs replicated, every tp-sharded weight read sharded;
+  on the other dims FSDP (Shard(0)) with the batch split.
 - ``fsdp_tp_sp``: ``fsdp_tp`` with the norms' outputs sharded on the sequence dim over ``tp``.
 
 A baseline that cannot be expressed on the mesh (no ``tp`` dim, a batch the data-parallel dims
@@ -30,6 +31,7 @@ from shardwise.ir.match import is_op
 from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh
 from shardwise.plan.placement import Placements
+from shardwise.plan.plan import tensor_args
 from shardwise.plan.strategies import divides_evenly, flat_tensor_vals
 
 BASELINES = ("ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp")
@@ -39,6 +41,8 @@ TP = "tp"
 COLUMN = re.compile(r"(wq|wk|wv|w1|w3|q_proj|k_proj|v_proj|gate_proj|up_proj|output|lm_head)\.weight$")
 ROW = re.compile(r"(wo|w2|o_proj|down_proj)\.weight$")
 COLUMN_BIAS = re.compile(r"(q_proj|k_proj|v_proj)\.bias$")
+# Embedding tables are split over the vocabulary (torchtitan's RowwiseParallel embedding).
+VOCAB = re.compile(r"(tok_embeddings|embed_tokens)\.weight$")
 
 aten = torch.ops.aten
 # The ops a decomposed RMSNorm ends in: their outputs are "the norm's output".
@@ -55,7 +59,7 @@ class BaselineSpec:
 
 
 def _tp_role(param: str, ndim: int) -> Placements | None:
-    if COLUMN.search(param) or COLUMN_BIAS.search(param):
+    if COLUMN.search(param) or COLUMN_BIAS.search(param) or VOCAB.search(param):
         return (Shard(0),)
     if ROW.search(param) and ndim == 2:
         return (Shard(1),)
@@ -128,3 +132,32 @@ def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placem
         return True
 
     return allowed
+
+
+def tensor_parallel_uses(spec: BaselineSpec, traced: Traced, ns: dict, mesh: Mesh, rep: dict) -> bool:
+    """Megatron reads its tp-sharded weights sharded: keep only the strategies of each op that
+    computes with such a weight (reached through followers such as ``t``) that read it in its
+    stored tp placement. Returns False when some op has no such strategy (baseline inapplicable).
+    """
+    tp = mesh.dim(TP)
+    for ph in spec.fixed:
+        if ph not in traced.params.values() or isinstance(spec.fixed[ph][tp], Replicate):
+            continue
+        stack = [traced.node(ph)]
+        while stack:
+            u = stack.pop()
+            placement = ns[rep[u]].strategies[0].output[0][tp] if ns[rep[u]].strategies else None
+            for v in u.users:
+                if v.op != "call_function":
+                    continue
+                st = ns[rep[v]]
+                if st.follows is not None and len(st.strategies) == 1:
+                    stack.append(v)  # a view of the weight: look at who computes with it
+                    continue
+                j = tensor_args(v).index(u)
+                kept = [s for s in st.strategies if s.inputs[j][tp] == placement]
+                if not kept:
+                    return False
+                if len(kept) < len(st.strategies):
+                    st.strategies, st.follows = kept, None
+    return True

@@ -22,7 +22,7 @@ from shardwise.errors import UserError
 from shardwise.ir.flops import is_view
 from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh
-from shardwise.plan.baselines import BaselineSpec, baseline_spec, node_filter
+from shardwise.plan.baselines import BaselineSpec, baseline_spec, node_filter, tensor_parallel_uses
 from shardwise.plan.cluster import Clustering, cluster, no_clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, MemoryModel, chosen_strategy, solve
@@ -82,6 +82,9 @@ def make_plan(
                     return None
                 if len(kept) < len(st.strategies):
                     st.strategies, st.follows = kept, None
+    if spec is not None and spec.norm_outputs is not None:  # the tensor-parallel baselines
+        if not tensor_parallel_uses(spec, traced, ns, mesh, clus.rep):
+            return None
     if not traced.train:
         _no_partial_outputs(traced, ns, clus)
     for n, st in ns.items():

@@ -353,6 +353,23 @@ def intern(ps: Placements) -> Placements:
     return _INTERNED.setdefault(ps, ps)
 
 
+def _plain(ps: Placements, replicated: bool) -> Placements:
+    """DTensor's vocab-parallel embedding reads its indices as a "mask partial" (a replicated
+    tensor it masks locally) and yields one; to the plan these are Replicate in and a pending
+    sum out (and a pending sum wherever else one is read), which is what the lowering runs."""
+    from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
+
+    if not any(isinstance(p, _MaskPartial) for p in ps):
+        return ps
+    return tuple((Replicate() if replicated else Partial()) if isinstance(p, _MaskPartial) else p for p in ps)
+
+
+def _without_mask_partials(node: fx.Node, s: Strategy) -> Strategy:
+    is_embedding = node.target is aten.embedding.default
+    return Strategy(tuple(_plain(p, False) for p in s.output),
+                    tuple(_plain(p, is_embedding and j == 1) for j, p in enumerate(s.inputs)))
+
+
 def _interned(s: Strategy) -> Strategy:
     return Strategy(tuple(intern(p) for p in s.output), tuple(intern(p) for p in s.inputs))
 
@@ -443,6 +460,7 @@ def _node_strategies(node: fx.Node, choices: dict[fx.Node, list[Placements]], me
             log.debug("no DTensor strategy for %s: %s", node.format_node(), e)
             found = None
     if found is not None:
+        found = [_without_mask_partials(node, s) for s in found]
         found = [s for s in dict.fromkeys(found) if _valid(s, out_shapes, in_shapes, mesh_shape)]
     if not found:
         ns.fallback = bool(targs)  # factory ops (no tensor inputs) are simply replicated
