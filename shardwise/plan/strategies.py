@@ -409,8 +409,8 @@ def _enumerate(gm, mesh, placeholder_filter, rep) -> dict[fx.Node, NodeStrategie
                 opts = [p for p in opts if placeholder_filter(node, p)]
             ns.strategies = [Strategy((p,), ()) for p in opts]
         elif node.op == "get_attr":  # a constant the trace captured: every rank holds it whole
-            rep = (Replicate(),) * len(mesh_shape)
-            ns.strategies = [Strategy((rep,), ())] if isinstance(val, torch.Tensor) else []
+            whole = (Replicate(),) * len(mesh_shape)
+            ns.strategies = [Strategy((whole,), ())] if isinstance(val, torch.Tensor) else []
         elif node.target is operator.getitem:
             parent, idx = node.args
             ns.alias_of = (parent, idx)
