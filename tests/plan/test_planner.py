@@ -121,3 +121,13 @@ def test_inference_outputs_are_not_partial():
     assert plan.status == "optimal"
     for ps in plan.outputs:
         assert all(isinstance(p, (Shard, Replicate)) for p in ps)
+
+
+def test_hf_llama_plans_without_fallbacks(hf_tiny_config):
+    """HF graphs hold captured constants (rotary tables), masked attention and nll_loss: all
+    have rules, so nothing falls back to replication."""
+    tr = trace_model(f"hf:{hf_tiny_config}", layers=1, batch=4, seq=16)
+    canonicalize(tr)
+    plan = make_plan(tr, Mesh((2, 2)), baseline="fsdp_tp")
+    assert plan is not None and plan.status == "optimal"
+    assert plan.fallback_ops == []
