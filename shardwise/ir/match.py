@@ -55,7 +55,7 @@ def is_flatten(view: fx.Node) -> tuple[int, ...] | None:
 
     Accepts ``view``, ``_unsafe_view`` and ``reshape``; both shapes must be static.
     """
-    if not is_op(view, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+    if not is_op(view, *RESHAPE_OPS):
         return None
     src = arg_node(view)
     if src is None:
@@ -74,7 +74,7 @@ def is_flatten(view: fx.Node) -> tuple[int, ...] | None:
 
 def is_unflatten(view: fx.Node, batch: tuple[int, ...]) -> bool:
     """``view`` turns ``[prod(batch), N]`` back into ``[*batch, N]``."""
-    if not is_op(view, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+    if not is_op(view, *RESHAPE_OPS):
         return False
     src = arg_node(view)
     ins, outs = (shape(src) if src is not None else None), shape(view)

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_map
 import shardwise.ir.ops  # noqa: F401  (registers torch.ops.shardwise.*)
 from shardwise.errors import UserError
 from shardwise.ir.match import (
+    RESHAPE_OPS,
     GatherMatch,
     ScatterMatch,
     arg_node,
@@ -69,7 +70,6 @@ MATMUL_REDUCE_SCATTER = torch.ops.shardwise.matmul_reduce_scatter.default
 IMPLS = ("auto", "ring", "symm_mem", "unfused")  # runtime.collective_matmul.Impl values
 REDUCE_OPS = ("sum", "avg")  # what the fused reduce-scatter implements
 MIN_GROUP_SIZE = 2  # a group of one has nothing to overlap
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 class MatmulForm(enum.Enum):
@@ -143,7 +143,7 @@ def matmul_at(node: fx.Node) -> Matmul | None:
         if tb is None or len(tensors) != 2 or not all(isinstance(t, fx.Node) for t in tensors):
             return None
         return Matmul(MatmulForm.EINSUM, tensors[0], tensors[1], node, (node,), tb)
-    mm = arg_node(node) if is_op(node, *_VIEWS) else None
+    mm = arg_node(node) if is_op(node, *RESHAPE_OPS) else None
     if mm is not None and _mm_2d(mm) is not None and single_user(mm) is node:
         flat = _mm_2d(mm)[0]
         batch = is_flatten(flat)
