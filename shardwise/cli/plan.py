@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_mesh_options(p)
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB (default: "
                    "the hardware's memory less a reserve)")
-    p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
+    p.add_argument("--time-limit", type=float, default=180.0, help="solver time limit in seconds")
     p.add_argument("--save", default=None, help="write the plan as JSON to this path")
     p.add_argument("--no-baselines", action="store_true", help="skip planning the hand-written baselines")
     p.add_argument("--no-cluster", action="store_true", help="plan every layer separately")
