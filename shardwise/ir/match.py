@@ -545,3 +545,22 @@ def insert_call_after(prev: fx.Node, target: object, args: tuple, kwargs: dict |
         node.meta.update({k: meta_from.meta[k] for k in KEPT_KEYS if k != VAL and k in meta_from.meta})
     infer_fake_val(node)
     return node
+
+
+def einsum_is_matmul(equation: str) -> bool | None:
+    """``"...k,kn->...n"`` -> False, ``"...k,nk->...n"`` -> True (b transposed), else None."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    if len(ops) != 2:
+        return None
+    a, b = ops
+    if len(b) != 2 or not a or len(set(a + out)) != len(a) + 1 or len(set(b)) != 2:
+        return None
+    k = a[-1]
+    n = b[1] if b[0] == k else b[0] if b[1] == k else None
+    if n is None or n in a or out != a[:-1] + n:
+        return None
+    return b[1] == k

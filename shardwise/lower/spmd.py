@@ -265,6 +265,9 @@ class _Lowerer(fx.Interpreter):
         self.local_ops: set[str] = set()
         self.placed: dict[str, tuple[Placements, ...]] = {}
         self.node_comm: dict[str, dict[str, CollectiveCount]] = {}
+        # A value moved to a placement once serves every consumer that reads it there (the
+        # planner prices each (value, placement) move once).
+        self.moved: dict[tuple[str, Placements], object] = {}
 
     # -- placement helpers ------------------------------------------------------------------
 
@@ -318,12 +321,21 @@ class _Lowerer(fx.Interpreter):
             d = d.redistribute(self.mesh, want)
         return d
 
-    def place_output(self, v: torch.Tensor, sink: Placements | None) -> DTensor:
+    def _place_once(self, name: str, v: object, want: Placements | None) -> object:
+        """``_place``, reusing the result when node ``name`` was already moved to ``want``."""
+        if want is None:
+            return self._place(v, want)
+        key = (name, tuple(want))
+        if key not in self.moved:
+            self.moved[key] = self._place(v, want)
+        return self.moved[key]
+
+    def place_output(self, v: torch.Tensor, sink: Placements | None, name: str | None = None) -> DTensor:
         """A graph output brought to its sink placement (the plan prices this edge)."""
         from shardwise.runtime.counter import CollectiveCounter
 
         with CollectiveCounter() as counter:
-            out = self._place(v, sink)
+            out = self._place_once(name, v, sink) if name is not None else self._place(v, sink)
         for k, c in counter.counts.items():
             acc = self.node_comm.setdefault(OUTPUT_KEY, {})
             acc[k] = acc.get(k, CollectiveCount()) + c
@@ -357,7 +369,7 @@ class _Lowerer(fx.Interpreter):
             if isinstance(a, fx.Node):
                 v = self.env[a]
                 if isinstance(a.meta.get("val"), torch.Tensor):
-                    v = self._place(v, want_in[k] if k < len(want_in) else None)
+                    v = self._place_once(a.name, v, want_in[k] if k < len(want_in) else None)
                     k += 1
                 vals.append(v)
             else:
@@ -398,7 +410,7 @@ class _Lowerer(fx.Interpreter):
                 want_out = [rep] * max(1, len(tree_flatten(n.meta.get("val"))[0]))
         local = [x.to_local() if isinstance(x, DTensor) else x for x in flat]
         largs, lkwargs = tree_unflatten(local, tree)
-        res = n.target(*largs, **lkwargs)
+        res = _call_local(n, largs, lkwargs)
         vals = n.meta.get("val")
 
         def wrap(i: int, t: object, gv: object) -> object:
@@ -428,6 +440,20 @@ class _Lowerer(fx.Interpreter):
                 if list(s.inputs) == have:
                     return list(s.output)
         return None
+
+
+def _call_local(n: fx.Node, args: tuple, kwargs: dict) -> object:
+    """Run ``n``'s op on local tensors. A matmul-shaped einsum runs as ``torch.matmul``, which
+    traces to flatten -> mm -> unflatten (what the collective-matmul pass fuses); traced as
+    ``aten.einsum`` it would decompose into an unsqueeze/permute/bmm chain nobody matches."""
+    from shardwise.ir.match import einsum_is_matmul
+
+    if n.target is torch.ops.aten.einsum.default and not kwargs:
+        transposed = einsum_is_matmul(args[0])
+        a, b = args[1]
+        if transposed is not None:
+            return torch.matmul(a, b.t() if transposed else b)
+    return n.target(*args, **kwargs)
 
 
 def _unmask(d: DTensor) -> DTensor:
@@ -522,7 +548,8 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
         res = []
         for i, (v, sink) in enumerate(zip(outs, sinks, strict=True)):
             if isinstance(v, torch.Tensor):
-                v = lowerer.place_output(v, sink)
+                node = out_nodes[i]
+                v = lowerer.place_output(v, sink, node.name if isinstance(node, fx.Node) else None)
                 final[i] = tuple(v.placements)
                 v = v.to_local()
             res.append(v)

@@ -50,6 +50,7 @@ from shardwise.ir.match import (
     ScatterMatch,
     arg_node,
     depends_on,
+    einsum_is_matmul,
     erase_if_dead,
     gathered_values,
     is_flatten,
@@ -109,25 +110,6 @@ class MatmulScatterMatch:
 # Matmul forms
 # ---------------------------------------------------------------------------------------------
 
-def einsum_is_matmul(equation: str) -> bool | None:
-    """``"...k,kn->...n"`` -> False, ``"...k,nk->...n"`` -> True (b transposed), else None."""
-    eq = equation.replace(" ", "")
-    if "->" not in eq or "." in eq:
-        return None
-    lhs, out = eq.split("->")
-    ops = lhs.split(",")
-    if len(ops) != 2:
-        return None
-    a, b = ops
-    if len(b) != 2 or not a or len(set(a + out)) != len(a) + 1 or len(set(b)) != 2:
-        return None
-    k = a[-1]
-    n = b[1] if b[0] == k else b[0] if b[1] == k else None
-    if n is None or n in a or out != a[:-1] + n:
-        return None
-    return b[1] == k
-
-
 def _mm_2d(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if not is_op(node, aten.mm.default):
         return None
@@ -159,6 +141,9 @@ def matmuls_reading(value: fx.Node) -> list[Matmul]:
     """Every matmul that reads ``value`` as its left operand, directly or through a flatten."""
     found = []
     for u in value.users:
+        if is_identity_view(u):  # a reshape to the same shape (lowering leaves these): see through
+            found.extend(matmuls_reading(u))
+            continue
         if is_op(u, aten.mm.default, aten.einsum.default):
             m = matmul_at(u)
             if m is not None and m.a is value:
@@ -175,6 +160,12 @@ def matmuls_reading(value: fx.Node) -> list[Matmul]:
                 else:  # a flatten -> mm whose 2-D output is read as is
                     found.append(Matmul(MatmulForm.FLATTEN_MM, value, pair[1], mm, (mm, u)))
     return [m for m in found if _b_is_matrix(m)]
+
+
+def is_identity_view(node: fx.Node) -> bool:
+    """A reshape whose output has its input's shape: the same value."""
+    src = arg_node(node) if is_op(node, *RESHAPE_OPS) else None
+    return src is not None and shape(src) is not None and shape(src) == shape(node)
 
 
 def _b_is_matrix(m: Matmul) -> bool:

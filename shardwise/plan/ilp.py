@@ -154,9 +154,18 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
                 for v in vs:
                     m.cost[v] += c
 
-    # Edges, keyed on representatives and weighted by how many graph edges they stand for.
-    weight: dict[tuple[fx.Node, fx.Node, int], int] = defaultdict(int)
+    # Edges, keyed on representatives. A value is moved to a placement once however many
+    # consumers read it there, so the cost of a move sits on the producer: copies of a producer
+    # with the same outgoing edges form a group, and the group pays once per copy for each
+    # (p, q) any of its edges uses.
     example: dict[tuple[fx.Node, fx.Node, int], fx.Node] = {}
+    out_keys: dict[fx.Node, list[tuple[fx.Node, fx.Node, int]]] = defaultdict(list)
+
+    def edge(u: fx.Node, k: tuple[fx.Node, fx.Node, int]) -> None:
+        example[k] = u
+        if k not in out_keys[u]:
+            out_keys[u].append(k)
+
     for v in traced.gm.graph.nodes:
         if v.op != "call_function":
             continue
@@ -164,22 +173,17 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         if st_v.alias_of is not None or st_v.follows is not None:
             continue
         for j, u in enumerate(tensor_args(v)):
-            k = (clus.rep[u], clus.rep[v], j)
-            weight[k] += 1
-            example[k] = u
+            edge(u, (clus.rep[u], clus.rep[v], j))
     for pname, gname in traced.grads.items():
         g, ph = traced.node(gname), traced.node(traced.params[pname])
-        k = (clus.rep[g], clus.rep[ph], GRAD_SINK)
-        weight[k] += 1
-        example[k] = g
+        edge(g, (clus.rep[g], clus.rep[ph], GRAD_SINK))
     if traced.loss is not None:
         loss = traced.node(traced.loss)
-        k = (clus.rep[loss], clus.rep[loss], LOSS_SINK)
-        weight[k] = 1
-        example[k] = loss
+        edge(loss, (clus.rep[loss], clus.rep[loss], LOSS_SINK))
 
     one = m.var(0.0, lb=1.0, integer=False)  # the constant 1
-    for (u, v, j), w in weight.items():
+    moves: dict[tuple[fx.Node, fx.Node, int], dict[tuple[Placements, Placements], tuple[int, float]]] = {}
+    for (u, v, j) in example:
         val = example[(u, v, j)].meta["val"]
         supply = _supply(ns, xs, clus, u)
         if j == LOSS_SINK:
@@ -192,7 +196,12 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
                 demand[s.inputs[j]].extend(xs[v][i])
         if len(supply) == 1 and list(supply) == list(demand):
             continue  # one placement on both ends: nothing to decide, nothing to pay
-        _add_edge(m, supply, demand, lambda p, q, val=val: costs.reshard(p, q, val).time_s, w)
+        moves[(u, v, j)] = _add_edge(m, supply, demand, lambda p, q, val=val: costs.reshard(p, q, val).time_s)
+    groups: dict[tuple[fx.Node, frozenset], int] = defaultdict(int)
+    for u, keys in out_keys.items():
+        groups[(clus.rep[u], frozenset(k for k in keys if k in moves))] += 1
+    for (_, keys), n in groups.items():
+        _charge_moves(m, [moves[k] for k in keys], n)
 
     min_mem = None
     if memory_budget is not None and traced.train:
@@ -240,21 +249,47 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
 
 
 def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Placements, list[int]],
-              cost, weight: int) -> None:
+              cost) -> dict[tuple[Placements, Placements], tuple[int, float]]:
     """Transportation rows for one edge: e[p,q] >= 0 for every finite (p, q),
-    sum_q e[p,q] = y[p] and sum_p e[p,q] = z[q]; objective weight * c(p,q) * e[p,q]."""
+    sum_q e[p,q] = y[p] and sum_p e[p,q] = z[q]. Returns {(p, q): (e, c(p, q))} for the paid
+    moves (p != q); ``_charge_moves`` puts their cost in the objective."""
+    paid: dict[tuple[Placements, Placements], tuple[int, float]] = {}
     by_p: dict[Placements, dict[int, float]] = {p: {y: -1.0 for y in ys} for p, ys in supply.items()}
     for q, zvars in demand.items():
         row = {z: -1.0 for z in zvars}
         for p in supply:
             c = 0.0 if p == q else cost(p, q)
             if math.isfinite(c):
-                e = m.var(weight * c, integer=False)
+                e = m.var(0.0, integer=False)
                 row[e] = 1.0
                 by_p[p][e] = 1.0
+                if c > 0.0:
+                    paid[(p, q)] = (e, c)
         m.row(0.0, 0.0, row)
     for row in by_p.values():
         m.row(0.0, 0.0, row)
+    return paid
+
+
+def _charge_moves(m: _Model, edges: list[dict[tuple[Placements, Placements], tuple[int, float]]],
+                  copies: int) -> None:
+    """One producer's moves, paid once per (p, q) however many of its edges make it:
+    with one edge the cost sits on e; with several, on g[p,q] >= e[k,p,q] for each edge k."""
+    if len(edges) == 1:
+        for e, c in edges[0].values():
+            m.cost[e] += copies * c
+        return
+    by_move: dict[tuple[Placements, Placements], list[tuple[int, float]]] = defaultdict(list)
+    for paid in edges:
+        for pq, ec in paid.items():
+            by_move[pq].append(ec)
+    for ecs in by_move.values():
+        if len(ecs) == 1:
+            m.cost[ecs[0][0]] += copies * ecs[0][1]
+            continue
+        g = m.var(copies * ecs[0][1], integer=False)
+        for e, _ in ecs:
+            m.row(-math.inf, 0.0, {e: 1.0, g: -1.0})
 
 
 def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],

@@ -199,6 +199,7 @@ def estimate(traced: Traced, plan: Plan, costs: PlannerCosts | None = None,
         spec = plan.nodes.get(n.name)
         if spec is not None and n.op == "call_function":
             est.compute_s += costs.compute_time(n, Strategy(spec.output, spec.inputs))
+    moved: set[tuple[str, Placements]] = set()  # a value moves to a placement once
     for u, v, j in _edges(traced):
         src = plan.nodes[u.name].output[0]
         if j == GRAD_SINK:
@@ -207,8 +208,9 @@ def estimate(traced: Traced, plan: Plan, costs: PlannerCosts | None = None,
             dst = (Replicate(),) * len(mesh_shape)
         else:
             dst = plan.nodes[v.name].inputs[j]
-        if src == dst:
+        if src == dst or (u.name, dst) in moved:
             continue
+        moved.add((u.name, dst))
         rc = costs.reshard(src, dst, u.meta["val"])
         est.comm_s += rc.time_s
         for c in rc.collectives:

@@ -72,9 +72,11 @@ def test_baselines_fix_what_they_say(tiny2):
     fsdp = make_plan(tiny2, MESH, baseline="fsdp")
     assert all(ps == (Replicate(),) for ps in ddp.params.values())
     assert fsdp.params["layers.0.attention.wq.weight"] == (Shard(0),)
-    # FSDP keeps less per device than DDP, and its gradients are reduce-scattered.
+    # FSDP keeps less per device than DDP; its weights are gathered for use and its gradients
+    # reduced (reduce_scatter, or all_reduce then a free local slice: the cost model decides).
     assert fsdp.estimate.memory_bytes < ddp.estimate.memory_bytes
-    assert "reduce_scatter" in fsdp.collectives
+    assert "all_gather" in fsdp.collectives
+    assert {"reduce_scatter", "all_reduce"} & set(fsdp.collectives)
     # fsdp_tp needs a tp mesh dim.
     assert make_plan(tiny2, MESH, baseline="fsdp_tp") is None
 
