@@ -75,8 +75,13 @@ def test_sequence_parallel_on_lowered_tensor_parallel_plans(model):
 def test_collective_matmul_on_a_lowered_sequence_parallel_plan():
     plain, rewritten, counts = _programs("llama-tiny", 2, "fsdp_tp_sp",
                                          ["sequence_parallel", "collective_matmul"])
-    fused = [n for n in rewritten.gm.graph.nodes if str(n.target).startswith("shardwise.all_gather_matmul")]
-    # Per layer: q/k/v share one gathered input, w1/w3 another; plus the output head.
-    assert counts["collective_matmul"] == len(fused) == 2 * SHAPE["layers"] + 1
+    targets = [str(n.target) for n in rewritten.gm.graph.nodes]
+    gathers = sum(t.startswith("shardwise.all_gather_matmul") for t in targets)
+    scatters = sum(t.startswith("shardwise.matmul_reduce_scatter") for t in targets)
+    # Every projection is fused: per layer q/k/v share one gathered input, w1/w3 another, and
+    # wo and w2 reduce-scatter their outputs; plus the output head.
+    layers = SHAPE["layers"]
+    assert (gathers, scatters) == (2 * layers + 1, 2 * layers)
+    assert counts["collective_matmul"] == gathers + scatters
     results = run_many([plain, rewritten], check=True)
     assert _max_rel(results[1].outputs[0], results[0].outputs[0]) <= MAX_REL_ERR

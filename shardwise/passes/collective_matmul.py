@@ -104,6 +104,7 @@ class GatherMatmulMatch:
 class MatmulScatterMatch:
     matmul: Matmul
     scatter: ScatterMatch
+    views: tuple[fx.Node, ...] = ()  # same-shape reshapes between the matmul and the scatter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,9 +193,9 @@ def reassembly_private(g: GatherMatch) -> bool:
     return only_used_within(g.nodes, exit=g.value_node)
 
 
-def scatter_input_private(m: Matmul, s: ScatterMatch) -> bool:
+def scatter_input_private(m: Matmul, s: ScatterMatch, views: list[fx.Node] | tuple = ()) -> bool:
     """The matmul output and every node up to the reduce_scatter feed only the reduce_scatter."""
-    return only_used_within((m.out, *s.nodes), exit=s.value_node)
+    return only_used_within((m.out, *views, *s.nodes), exit=s.value_node)
 
 
 def reduce_op_supported(s: ScatterMatch) -> bool:
@@ -234,17 +235,21 @@ def find_gather_matmuls(graph: fx.Graph) -> list[GatherMatmulMatch]:
 def find_matmul_scatters(graph: fx.Graph) -> list[MatmulScatterMatch]:
     found = []
     for s in scattered_values(graph):
-        m = matmul_at(s.input_value)
+        src, views = s.input_value, []
+        while is_identity_view(src):  # lowering leaves these between a matmul and its scatter
+            views.append(src)
+            src = arg_node(src)
+        m = matmul_at(src)
         if m is None or not _b_is_matrix(m):
             continue  # the scattered value is no matmul
         if not group_is_fusable(s.group_size):
             _skip(s.value_node, f"group size {s.group_size} is unknown or < {MIN_GROUP_SIZE}")
         elif not reduce_op_supported(s):
             _skip(s.value_node, f"reduce op {s.reduce_op!r} is not one of {REDUCE_OPS}")
-        elif not scatter_input_private(m, s):
+        elif not scatter_input_private(m, s, views):
             _skip(s.value_node, "the matmul output or its reassembly has other readers")
         else:
-            found.append(MatmulScatterMatch(m, s))
+            found.append(MatmulScatterMatch(m, s, tuple(views)))
     return found
 
 
@@ -321,6 +326,7 @@ def rewrite_matmul_scatter(gm: fx.GraphModule, match: MatmulScatterMatch, impl: 
     copy_meta(fused, s.value_node, seq_nr_from=m.out)
     s.value_node.replace_all_uses_with(fused)
     erase_if_dead(reversed(s.nodes))
+    erase_if_dead(match.views)
     erase_if_dead(m.nodes)
 
 
