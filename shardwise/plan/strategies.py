@@ -432,7 +432,7 @@ def _make_follower(ns: NodeStrategies, choices: dict[fx.Node, list[Placements]])
     view or single-input op (the same collective then happens after it, on its output).
     """
     targs = tensor_args(ns.node)
-    if len(targs) != 1 or ns.fallback:
+    if len(targs) != 1 or ns.fallback or targs[0] not in choices:
         return
     src = targs[0]
     by_input: dict[Placements, Strategy] = {}
@@ -448,6 +448,10 @@ def _node_strategies(node: fx.Node, choices: dict[fx.Node, list[Placements]], me
                      ns: NodeStrategies) -> list[Strategy]:
     mesh_shape = tuple(mesh.shape)
     targs = tensor_args(node)
+    # An input whose representative comes later in the graph (clustered copies can interleave
+    # near layer boundaries) has no choices yet: offer it every placement; edges price the rest.
+    choices = {**choices, **{a: placeholder_choices(a.meta["val"], mesh_shape)
+                             for a in targs if a not in choices}}
     in_shapes = [tuple(a.meta["val"].shape) for a in targs]
     out_shapes = [tuple(v.shape) if v is not None else None for v in _out_vals(node)]
     found: list[Strategy] | None = None
