@@ -15,8 +15,11 @@ At integral x exactly one y and one z are 1, so the cheapest feasible e is 1 on 
 with infinite cost have no e, so the rows forbid them.
 
 Objective (seconds per step)
-  sum_r copies(r) sum_s t_compute(r,s) x[r,s] + sum_k weight(k) sum_{p,q} c(p,q) e[k,p,q]
-where copies/weight count the graph nodes/edges a clustered representative stands for.
+  sum_r copies(r) sum_s t_compute(r,s) x[r,s] + sum_G copies(G) sum_{p,q} c(p,q) g[G,p,q]
+A value moved to a placement serves every consumer that reads it there (the lowering moves it
+once), so moves are paid per producer: producer copies with the same outgoing edges form a
+group G, and g[G,p,q] >= e[k,p,q] for each of its edges k (with one edge, e carries the cost).
+copies() counts the graph nodes a clustered representative stands for.
 
 Sinks: a parameter's gradient is an edge into the parameter's own placement (that edge is the
 gradient synchronisation: all_reduce for DDP, reduce_scatter for FSDP); the loss is an edge into
@@ -211,7 +214,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     h = highspy.Highs()
-    h.setOptionValue("output_flag", bool(__import__("os").environ.get("SHARDWISE_HIGHS_LOG")))
+    h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     h.setOptionValue("threads", 1)

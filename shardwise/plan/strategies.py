@@ -472,9 +472,5 @@ def _node_strategies(node: fx.Node, choices: dict[fx.Node, list[Placements]], me
     return found
 
 
-def partial_free(ps: Placements) -> bool:
-    return not any(isinstance(p, Partial) for p in ps)
-
-
 def flat_tensor_vals(node: fx.Node) -> list[torch.Tensor]:
     return [v for v in tree_flatten(node.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
