@@ -68,3 +68,7 @@ def real_inputs_for(gm: fx.GraphModule, seed: int = 0, vocab: int = 256) -> list
         else:
             out.append(torch.randint(0, vocab, tuple(v.shape), generator=g, dtype=v.dtype))
     return out
+
+# Multi-process tests start several ranks on a machine with few cores (CI: 2) where start-up
+# alone can take tens of seconds under load; they get this run timeout instead of the default.
+SLOW_MACHINE_TIMEOUT_S = 150.0

@@ -15,7 +15,7 @@ from shardwise.passes import get_pass
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import make_plan
 from shardwise.runtime import run_many
-from tests.helpers import hf_model_name
+from tests.helpers import SLOW_MACHINE_TIMEOUT_S, hf_model_name
 
 SHAPE = {"layers": 2, "batch": 2, "seq": 8}
 MAX_REL_ERR = 1e-5
@@ -66,7 +66,7 @@ def test_sequence_parallel_on_lowered_tensor_parallel_plans(model):
         assert counts["sequence_parallel"] == before
         assert _norm_fed_all_reduces(rewritten.gm) == 0
     for plain, rewritten, _ in pairs:  # one launch per world size, both programs in it
-        results = run_many([plain, rewritten], check=True)
+        results = run_many([plain, rewritten], check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
         assert _max_rel(results[1].outputs[0], results[0].outputs[0]) <= MAX_REL_ERR
         assert results[0].max_rel_err <= 1e-4
 
@@ -83,5 +83,5 @@ def test_collective_matmul_on_a_lowered_sequence_parallel_plan():
     layers = SHAPE["layers"]
     assert (gathers, scatters) == (2 * layers + 1, 2 * layers)
     assert counts["collective_matmul"] == gathers + scatters
-    results = run_many([plain, rewritten], check=True)
+    results = run_many([plain, rewritten], check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
     assert _max_rel(results[1].outputs[0], results[0].outputs[0]) <= MAX_REL_ERR

@@ -45,7 +45,7 @@ LOCALHOST = "127.0.0.1"
 FAILURE_GRACE_S = 2.0
 # Process-group timeout as a share of the run's: ranks blocked on a hung peer give up (and say
 # so) well before the parent's deadline, so the one that never reports stands out as the hang.
-PG_TIMEOUT_SHARE = 0.5
+PG_TIMEOUT_SHARE = 0.8
 # A planted hang sleeps this long: far past any run's timeout.
 HANG_S = 3600.0
 # Errors that say "a peer went away / did not answer", not what went wrong first.

@@ -21,7 +21,7 @@ from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import make_plan
 from shardwise.runtime import Fault, RunError, run, run_many
 from shardwise.runtime.counter import as_json, count_graph
-from tests.helpers import hf_model_name
+from tests.helpers import SLOW_MACHINE_TIMEOUT_S, hf_model_name
 from tests.lower.hand_plans import S0, R, hand_plan, tiny_mlp_traced, transpose_plan
 
 pytestmark = pytest.mark.slow
@@ -76,7 +76,7 @@ def test_hand_plans_on_two_ranks_match_the_reference():
         lower(transpose, tplan),
     ]
     programs[1].model = get_model("llama-tiny", **SHAPE)
-    results = run_many(programs, check=True)
+    results = run_many(programs, check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
     _check(results, programs)
     assert "all_to_all" in as_json(results[2].measured)
 
@@ -98,7 +98,7 @@ def test_planned_steps_match_reference_and_prediction():
         _program("llama-tiny", False, mesh, None),
         _program("llama-tiny", False, mesh, "fsdp"),
     ]
-    results = run_many(programs, check=True)
+    results = run_many(programs, check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
     _check(results, programs)
     for res, prog in zip(results, programs, strict=True):
         assert as_json(res.measured) == as_json(prog.plan.collectives)
@@ -108,7 +108,7 @@ def test_planned_steps_match_reference_and_prediction():
 def test_tensor_parallel_plan_on_a_2x2_mesh():
     """FSDP on dp with Megatron TP and sequence-parallel norms on tp."""
     prog = _program("llama-tiny", True, Mesh((2, 2), ("dp", "tp")), "fsdp_tp_sp")
-    res = run(prog, check=True)
+    res = run(prog, check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
     _check([res], [prog])
     assert as_json(res.measured) == as_json(prog.plan.collectives)
     assert {"all_gather", "reduce_scatter"} <= set(as_json(res.measured))
@@ -124,7 +124,7 @@ def test_hf_llama_steps_match_the_reference():
         prog = lower(traced, hand_plan(traced, (2,), (R,), (S0,)))
         prog.model = get_model(name, **SHAPE)
         programs.append(prog)
-    results = run_many(programs, check=True)
+    results = run_many(programs, check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
     _check(results, programs)
     assert results[0].loss == pytest.approx(results[0].loss_ref, rel=MAX_REL_ERR)
     assert results[1].outputs[0].shape == (4, 8, 256)
