@@ -73,17 +73,8 @@ def make_plan(
     t = time.perf_counter()
     allowed = _placeholder_filter(traced, spec, constraints)
     ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
-    if spec is not None and spec.norm_outputs is not None:
-        keep = node_filter(spec, traced)
-        for n, st in ns.items():
-            if st.alias_of is None and n.op == "call_function":
-                kept = [s for s in st.strategies if keep(n, s.output[0])]
-                if not kept:
-                    return None
-                if len(kept) < len(st.strategies):
-                    st.strategies, st.follows = kept, None
     if spec is not None and spec.norm_outputs is not None:  # the tensor-parallel baselines
-        if not tensor_parallel_uses(spec, traced, ns, mesh, clus.rep):
+        if not _fix_tensor_parallel_choices(spec, traced, ns, mesh, clus):
             return None
     if not traced.train:
         _no_partial_outputs(traced, ns, clus)
@@ -123,6 +114,21 @@ def make_plan(
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
     return plan
+
+
+def _fix_tensor_parallel_choices(spec: BaselineSpec, traced: Traced, ns: dict[fx.Node, NodeStrategies],
+                                 mesh: Mesh, clus: Clustering) -> bool:
+    """Norm outputs placed as the baseline says, tp-sharded weights read sharded; False when
+    some node has no strategy left (the baseline does not apply)."""
+    keep = node_filter(spec, traced)
+    for n, st in ns.items():
+        if st.alias_of is None and n.op == "call_function":
+            kept = [s for s in st.strategies if keep(n, s.output[0])]
+            if not kept:
+                return False
+            if len(kept) < len(st.strategies):
+                st.strategies, st.follows = kept, None
+    return tensor_parallel_uses(spec, traced, ns, mesh, clus.rep)
 
 
 def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: Constraints | None):

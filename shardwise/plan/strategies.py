@@ -364,6 +364,14 @@ def _plain(ps: Placements, replicated: bool) -> Placements:
     return tuple((Replicate() if replicated else Partial()) if isinstance(p, _MaskPartial) else p for p in ps)
 
 
+def _mask_partial_dims(s: Strategy) -> int:
+    """Mesh dims on which a vocab-parallel lookup leaves a masked partial. DTensor cannot lower
+    more than one (comparing two masks is data-dependent on fake tensors), so plans use one."""
+    from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
+
+    return max((sum(isinstance(p, _MaskPartial) for p in ps) for ps in s.output), default=0)
+
+
 def _without_mask_partials(node: fx.Node, s: Strategy) -> Strategy:
     is_embedding = node.target is aten.embedding.default
     return Strategy(tuple(_plain(p, False) for p in s.output),
@@ -464,7 +472,7 @@ def _node_strategies(node: fx.Node, choices: dict[fx.Node, list[Placements]], me
             log.debug("no DTensor strategy for %s: %s", node.format_node(), e)
             found = None
     if found is not None:
-        found = [_without_mask_partials(node, s) for s in found]
+        found = [_without_mask_partials(node, s) for s in found if _mask_partial_dims(s) <= 1]
         found = [s for s in dict.fromkeys(found) if _valid(s, out_shapes, in_shapes, mesh_shape)]
     if not found:
         ns.fallback = bool(targs)  # factory ops (no tensor inputs) are simply replicated
