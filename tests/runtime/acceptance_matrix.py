@@ -63,7 +63,7 @@ def main() -> int:
                     by_world.setdefault(mesh.size, []).append((key, prog, lowered_ok, t1 - t0, t2 - t1))
     for _world, items in sorted(by_world.items()):
         t0 = time.perf_counter()
-        results = run_many([p for _, p, _, _, _ in items], check=True)
+        results = run_many([p for _, p, _, _, _ in items], check=True, timeout_s=120)
         run_s = time.perf_counter() - t0
         for (key, prog, lowered_ok, plan_s, lower_s), res in zip(items, results, strict=True):
             comm_ok = as_json(res.measured) == as_json(prog.plan.collectives)

@@ -86,7 +86,7 @@ def test_hand_plan_on_a_2x2_mesh_matches_the_reference():
     llama = trace_model("llama-tiny", **SHAPE)
     prog = lower(llama, hand_plan(llama, (2, 2), (R, Shard(0)), (S0, R)))
     prog.model = get_model("llama-tiny", **SHAPE)
-    _check([run(prog, check=True)], [prog])
+    _check([run(prog, check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)], [prog])
 
 
 def test_planned_steps_match_reference_and_prediction():
