@@ -24,7 +24,6 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.errors import UserError
-from shardwise.ir.meta import fake_value
 
 
 class Phase(enum.Enum):
@@ -165,9 +164,6 @@ def trace(
     else:
         traced.outputs = [r.name for r in results if isinstance(r, fx.Node)]
     traced.refresh_phases()
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "call_function") and fake_value(n) is None and n.type is not None:
-            pass
     return traced
 
 

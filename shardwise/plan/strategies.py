@@ -129,13 +129,13 @@ def _attention_input(node: fx.Node, i: int, p: Placement) -> Placement:
     return p if val.dim() > p.dim and val.shape[p.dim] > 1 else Replicate()
 
 
-def _attention_rule(node: fx.Node, n_out: int) -> list[Strategy]:
-    """CPU flash attention (forward or backward) over [B, H, S, D] tensors: batch and heads
-    shard, as in DTensor's rule for the CUDA kernels; everything replicated is always valid."""
+def _attention_rule(node: fx.Node, n_out: int) -> list[tuple[tuple, tuple]]:
+    """Single-mesh-dim rows (outputs, inputs) for CPU flash attention (forward or backward) over
+    [B, H, S, D] tensors: batch and heads shard, as in DTensor's rule for the CUDA kernels;
+    everything replicated is always valid."""
     n_in = len(tensor_args(node))
-    per_dim = [((p,) * n_out, tuple(_attention_input(node, i, p) for i in range(n_in)))
-               for p in (Replicate(), Shard(0), Shard(1))]
-    return per_dim
+    return [((p,) * n_out, tuple(_attention_input(node, i, p) for i in range(n_in)))
+            for p in (Replicate(), Shard(0), Shard(1))]
 
 
 @register_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
