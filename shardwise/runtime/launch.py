@@ -1,13 +1,14 @@
 """Run lowered programs on real process groups: one process per rank, or the ranks torchrun started.
 
 Local launch (``run`` / ``run_many``): the parent holds a ``TCPStore`` on a port the OS picked
-(port 0, so two runs at once never collide) and forks one worker per rank. Each worker drops the
-fake process group it inherited, joins the real one (gloo on CPU, NCCL on GPUs), builds the
-mesh, points the program's collectives at its groups (``rename_groups``), cuts its pieces of
-the parameters and inputs, runs the step under a ``CollectiveCounter`` and sends back its local
-outputs and counts. The parent reassembles loss, gradients and outputs from the pieces (each
-output's placements), and with ``check=True`` compares them with a single-process fp32
-reference that it computes while the workers run.
+(port 0, so two runs at once never collide), cuts each rank's pieces of the parameters and
+inputs, and starts one worker per rank from a forkserver (a clean process that imported torch
+once; forking the caller, with its solver and OpenMP threads, can deadlock a child). Each worker
+joins the real group (gloo on CPU, NCCL on GPUs), builds the mesh, points the program's
+collectives at its groups (``rename_groups``), runs the step under a ``CollectiveCounter`` and
+sends back its local outputs and counts. The parent reassembles loss, gradients and outputs
+from the pieces (each output's placements), and with ``check=True`` compares them with a
+single-process fp32 reference that it computes while the workers run.
 
 Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) this process is one rank: it joins the
 group from the environment, runs its piece, and rank 0 gathers the rest over the group.
@@ -19,15 +20,21 @@ kills every child. A worker that never reports by ``timeout_s`` is named as hung
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import enum
+import importlib
 import io
 import math
 import multiprocessing as mp
 import os
+import pickle
 import queue
+import sys
 import time
 import traceback
-from collections.abc import Sequence
+import types
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -46,6 +53,13 @@ FAILURE_GRACE_S = 2.0
 # Process-group timeout as a share of the run's: ranks blocked on a hung peer give up (and say
 # so) well before the parent's deadline, so the one that never reports stands out as the hang.
 PG_TIMEOUT_SHARE = 0.8
+# Modules a rank imports before it unpickles its tasks (the forkserver imports them once, so each
+# rank starts with them loaded): they register the op namespaces lowered graphs call (c10d
+# functional collectives, DeviceMesh's runtime coordinate, shardwise's ops), and unpickling a
+# GraphModule re-traces its code with a tracer that reads triton_kernel_wrap without importing it.
+WORKER_IMPORTS = ("torch", "torch.distributed._functional_collectives", "torch.distributed.tensor",
+                  "torch.distributed._ops.device_mesh", "torch._higher_order_ops.triton_kernel_wrap",
+                  "shardwise.runtime.launch", "shardwise.ir.ops")
 # A planted hang sleeps this long: far past any run's timeout.
 HANG_S = 3600.0
 # Errors that say "a peer went away / did not answer", not what went wrong first.
@@ -249,34 +263,52 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     gm.recompile()
 
 
-def _bind(program: SPMDProgram, data: StepData, backend: str, rank: int) -> torch.fx.GraphModule:
-    """``program.gm`` on this process's real groups and device, with real constants (a copy)."""
-    import copy
+@dataclass
+class _RankTask:
+    """What one rank needs to run one program, picklable (the worker is a fresh process): the
+    program's graph with real constants, its group names by mesh dim, the mesh and the rank's
+    local arguments."""
 
-    from torch.distributed.device_mesh import DeviceMesh
+    gm: torch.fx.GraphModule
+    group_dims: dict[str, int]
+    mesh_shape: tuple[int, ...]
+    mesh_names: tuple[str, ...] | None
+    args: list[torch.Tensor]
 
-    mesh = program.mesh
-    device = _device_for(backend, rank)
-    dm = DeviceMesh(device.type, torch.arange(mesh.size).view(mesh.shape), mesh_dim_names=mesh.names)
-    # A new module over a copy of the graph; attributes (constants) are shared, not copied.
+
+def _tasks(program: SPMDProgram, data: StepData) -> list[_RankTask]:
+    """One task per rank: a copy of the graph (its module's attributes shared, not copied) with
+    its fake constants replaced by their real values."""
     gm = torch.fx.GraphModule(program.gm, copy.deepcopy(program.gm.graph))
-    rename_groups(gm, {old: dm.get_group(d).group_name for old, d in program.group_dims.items()})
     for name, value in data.constants.items():
         if name in gm._buffers:
             gm._buffers[name] = value
         else:
             setattr(gm, name, value)
+    mesh = program.mesh
+    return [_RankTask(gm, dict(program.group_dims), tuple(mesh.shape), mesh.names,
+                      program.local_args(data.params, data.inputs, r))
+            for r in range(program.world_size)]
+
+
+def _bind(task: _RankTask, device: torch.device) -> torch.fx.GraphModule:
+    """The task's graph on this process's real groups and device."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shape = task.mesh_shape
+    dm = DeviceMesh(device.type, torch.arange(math.prod(shape)).view(shape), mesh_dim_names=task.mesh_names)
+    gm = task.gm
+    rename_groups(gm, {old: dm.get_group(d).group_name for old, d in task.group_dims.items()})
     retarget_device(gm, device)
     return gm
 
 
-def _run_rank(programs: Sequence[SPMDProgram], datas: Sequence[StepData], backend: str, rank: int,
-              fault: Fault | None) -> _RankOutput:
+def _run_rank(tasks: Sequence[_RankTask], backend: str, rank: int, fault: Fault | None) -> _RankOutput:
     outs, counts = [], []
-    for program, data in zip(programs, datas, strict=True):
-        gm = _bind(program, data, backend, rank)
-        device = _device_for(backend, rank)
-        args = [a.to(device) for a in program.local_args(data.params, data.inputs, rank)]
+    device = _device_for(backend, rank)
+    for task in tasks:
+        gm = _bind(task, device)
+        args = [a.to(device) for a in task.args]
         if fault is not None and fault.rank == rank:
             if fault.fault_kind is FaultKind.HANG:
                 time.sleep(HANG_S)
@@ -303,18 +335,21 @@ def _from_bytes(data: bytes) -> _RankOutput:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank: int, world: int, port: int, backend: str, programs, datas, fault, pg_timeout_s: float,
-            results) -> None:
-    """A forked rank: join the real group, run, report (never raises)."""
+def _worker(rank: int, world: int, port: int, backend: str, tasks: bytes, fault: Fault | None,
+            pg_timeout_s: float, results) -> None:
+    """One rank in a fresh process: join the real group, run, report (never raises). ``tasks``
+    is the pickled ``list[_RankTask]``, unpickled once the ops it names are registered and the
+    group exists (unpickling a GraphModule re-traces it, running ops on constant arguments, such
+    as DeviceMesh's runtime coordinate, which reads the rank)."""
     try:
+        for module in WORKER_IMPORTS:
+            importlib.import_module(module)
         torch.set_num_threads(1)  # ranks share the machine's cores
-        if dist.is_initialized():  # the fake group the parent planned on
-            dist.destroy_process_group()
         store = dist.TCPStore(LOCALHOST, port, world, is_master=False,
                               timeout=timedelta(seconds=pg_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout_s))
-        out = _run_rank(programs, datas, backend, rank, fault)
+        out = _run_rank(pickle.loads(tasks), backend, rank, fault)
         results.put(("ok", rank, _to_bytes(out)))
     except BaseException as e:  # report everything: the parent names the rank and its error
         first = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -389,24 +424,44 @@ def run_many(programs: Sequence[SPMDProgram], backend: str = "gloo", *, check: b
 
 def _launch_local(programs, datas, backend: str, world: int, fault: Fault | None, timeout_s: float,
                   check: bool):
-    ctx = mp.get_context("fork")  # children inherit the lowered programs: nothing to pickle or re-import
+    # Ranks come from the forkserver, a clean single-threaded process that has imported torch and
+    # shardwise once: forking this process instead (threads of HiGHS, OpenMP, a store server...)
+    # can leave a child blocked forever on a lock some thread held at the fork.
+    mp.set_forkserver_preload(list(WORKER_IMPORTS))
+    ctx = mp.get_context("forkserver")
+    tasks = [_tasks(p, d) for p, d in zip(programs, datas, strict=True)]
     store = dist.TCPStore(LOCALHOST, 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, name=f"shardwise-rank{r}", daemon=True,
-                         args=(r, world, store.port, backend, programs, datas, fault,
+                         args=(r, world, store.port, backend, pickle.dumps([t[r] for t in tasks]), fault,
                                timeout_s * PG_TIMEOUT_SHARE, results))
              for r in range(world)]
     deadline = time.monotonic() + timeout_s
     try:
-        for p in procs:
-            p.start()
+        with _main_not_rerun():
+            for p in procs:
+                p.start()
         refs = [reference(p, d) for p, d in zip(programs, datas, strict=True)] if check else None
         ranks = _collect(results, procs, world, deadline, timeout_s)
     finally:
         _kill_all(procs)
         del store
     return ranks, refs
+
+
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Start processes without re-running the caller's script in them. multiprocessing re-imports
+    ``__main__`` from its file in each new process (so that what it defines can be unpickled);
+    the tasks hold only torch and shardwise objects, and a script without a ``__main__`` guard
+    would run again in every rank."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _collect(results, procs, world: int, deadline: float, timeout_s: float) -> list[_RankOutput]:
@@ -457,10 +512,11 @@ def _own_errors(errors: dict[int, tuple[str, str]]) -> list[int]:
 
 
 def _kill_all(procs) -> None:
-    for p in procs:
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
         if p.is_alive():
             p.kill()
-    for p in procs:
+    for p in started:
         p.join(timeout=5)
 
 
@@ -475,7 +531,8 @@ def _run_torchrun(programs, datas, backend: str, fault: Fault | None,
         dist.destroy_process_group()
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     try:
-        mine = _run_rank(programs, datas, backend, rank, fault)
+        mine = _run_rank([_tasks(p, d)[rank] for p, d in zip(programs, datas, strict=True)],
+                         backend, rank, fault)
         gathered: list[_RankOutput | None] = [None] * world if rank == 0 else None
         # Gathered over a CPU (gloo) group so NCCL jobs need no device copies of Python objects.
         cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else None
