@@ -21,13 +21,15 @@ SHAPE = {"layers": 2, "batch": 2, "seq": 8}
 MAX_REL_ERR = 1e-5
 
 
-def _programs(model: str, tp: int, baseline: str, passes: list[str]):
-    traced = trace_model(model, train=False, **SHAPE)
+def _programs(model: str, tp: int, baseline: str, passes: list[str], *, dp: int = 1, train: bool = False,
+              shape: dict | None = None):
+    shape = shape or SHAPE
+    traced = trace_model(model, train=train, **shape)
     canonicalize(traced)
-    plan = make_plan(traced, Mesh((1, tp), ("dp", "tp")), baseline=baseline)
+    plan = make_plan(traced, Mesh((dp, tp), ("dp", "tp")), baseline=baseline)
     plain, rewritten = lower(traced, plan), lower(traced, plan)
     for prog in (plain, rewritten):  # real values for the constants an hf: trace captures
-        prog.model = get_model(model, **SHAPE)
+        prog.model = get_model(model, **shape)
     counts = {p: get_pass(p)(rewritten.gm) for p in passes}
     return plain, rewritten, counts
 
@@ -85,3 +87,24 @@ def test_collective_matmul_on_a_lowered_sequence_parallel_plan():
     assert counts["collective_matmul"] == gathers + scatters
     results = run_many([plain, rewritten], check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
     assert _max_rel(results[1].outputs[0], results[0].outputs[0]) <= MAX_REL_ERR
+
+
+@pytest.mark.slow
+def test_collective_matmul_on_a_training_step_over_fsdp_and_tensor_parallel():
+    """The joint graph on a 2x2 (dp, tp) mesh: every forward projection fused (the backward's
+    matmuls fuse too where their collectives allow), and every gradient unchanged. Two sequences
+    per dp rank: with one, the planner finds gathering the batch cheaper than keeping it split."""
+    passes = ["sequence_parallel", "collective_matmul"]
+    plain, rewritten, counts = _programs("llama-tiny", 2, "fsdp_tp_sp", passes, dp=2, train=True,
+                                         shape={**SHAPE, "batch": 4})
+    fused = [n for n in rewritten.gm.graph.nodes if str(n.target).startswith("shardwise.")]
+    gathered = sum(len(n.args[1]) for n in fused if "all_gather_matmul" in str(n.target))
+    scattered = sum("matmul_reduce_scatter" in str(n.target) for n in fused)
+    layers = SHAPE["layers"]
+    # Forward alone: q/k/v/w1/w3 and the head read gathered inputs, wo and w2 scatter outputs.
+    assert gathered >= 5 * layers + 1 and scattered >= 2 * layers
+    assert counts["collective_matmul"] == len(fused)
+    results = run_many([plain, rewritten], check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
+    assert results[1].max_rel_err <= 1e-4
+    for got, want in zip(results[1].outputs, results[0].outputs, strict=True):
+        assert _max_rel(got, want) <= MAX_REL_ERR

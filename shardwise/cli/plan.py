@@ -2,6 +2,7 @@
 
     shardwise plan --model llama3-8b --mesh 8x8 [--mesh-names dp,tp] [--hardware h100]
         [--memory 80GiB] [--batch B --seq S] [--inference] [--time-limit S] [--save plan.json] [--json]
+        [--explain PARAM_OR_NODE ...]
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cluster", action="store_true", help="plan every layer separately")
     p.add_argument("--constrain", action="append", default=[], metavar="NAME=PLACEMENTS",
                    help="fix a parameter's (or input's) placement, e.g. output.weight=S(0),R; repeatable")
+    p.add_argument("--explain", action="append", default=[], metavar="PARAM_OR_NODE",
+                   help="also show what each alternative placement of this parameter or node would "
+                        "cost, the rest of the plan fixed; repeatable")
     p.set_defaults(handler=run)
 
 
@@ -62,6 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.mesh import parse_mesh
     from shardwise.passes.pipeline import canonicalize
     from shardwise.plan import BASELINES, make_plan
+    from shardwise.plan.explain import explain
     from shardwise.plan.report import plan_summary
 
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
@@ -73,6 +78,9 @@ def run(args: argparse.Namespace) -> dict:
     canonicalize(traced)
     trace_s = time.perf_counter() - t0
     constraints = parse_constraints(args.constrain, traced, mesh.ndim)
+    for name in args.explain:  # fail before the solve on a name the model does not have
+        if name not in traced.params and name not in {n.name for n in traced.gm.graph.nodes}:
+            raise UserError(f"--explain {name!r} is neither a parameter nor a node of the traced graph.")
     plan = make_plan(traced, mesh, memory_budget=budget, clustering=not args.no_cluster,
                      time_limit_s=args.time_limit, constraints=constraints)
     if plan.status == "infeasible":
@@ -95,6 +103,8 @@ def run(args: argparse.Namespace) -> dict:
                       "total_s": trace_s + timings["total_s"]}
     out["ilp"] = {k: plan.info["ilp"][k] for k in ("variables", "constraints", "clusters")}
     out["baselines"] = baselines
+    if args.explain:
+        out["explain"] = {name: explain(traced, plan, name).to_json() for name in args.explain}
     if not args.json:
         _print_report(traced, plan, out, mesh)
     return out
@@ -138,6 +148,15 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
     con.print(f"ILP: {out['ilp']['variables']} variables, {out['ilp']['constraints']} constraints, "
               f"{out['ilp']['clusters']} clusters; trace {tm['trace_s']:.1f} s, strategies "
               f"{tm['strategies_s']:.1f} s, build {tm['ilp_build_s']:.1f} s, solve {tm['solve_s']:.1f} s")
+    for name, ex in out.get("explain", {}).items():
+        e = Table(title=f"alternatives for {name} ({ex['node']}), the rest of the plan fixed")
+        for col in ("output", "inputs", "compute ms", "comm ms", "total ms", "MiB", ""):
+            e.add_column(col)
+        for a in ex["alternatives"]:
+            e.add_row(",".join(a["output"]), " ".join(",".join(p) for p in a["inputs"]),
+                      f"{a['compute_s'] * 1e3:.3f}", f"{a['comm_s'] * 1e3:.3f}", f"{a['time_s'] * 1e3:.3f}",
+                      f"{a['memory_bytes'] / 2**20:.1f}", "chosen" if a["chosen"] else "")
+        con.print(e)
     if plan.fallback_ops:
         con.print(f"[yellow]warning:[/] no sharding strategy for {', '.join(plan.fallback_ops)}: planned "
                   "replicated")

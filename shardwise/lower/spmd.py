@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 # ``SPMDProgram.node_collectives`` key of the collectives that deliver the graph's outputs.
 OUTPUT_KEY = "<output>"
 _MESH_GET_GROUP = torch.ops._dtensor.mesh_get_process_group.default
+# The schema argument by which c10d collectives and shardwise's fused ops name their group.
+GROUP_NAME_ARG = "group_name"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -674,13 +676,22 @@ def _drop_unused_detach(gm: fx.GraphModule) -> None:
 
 
 def rename_groups(gm: fx.GraphModule, names: dict[str, str]) -> int:
-    """Point every collective at another process group (``old name -> new name``); the count."""
-    from shardwise.ir.match import C10D_KINDS
-
+    """Point every op that takes a process group by name (c10d collectives, shardwise's fused
+    ops: the schema argument ``group_name``) at another group (``old name -> new name``); the
+    count."""
     done = 0
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in C10D_KINDS and str(n.args[-1]) in names:
-            n.args = (*n.args[:-1], names[str(n.args[-1])])
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None:
+            continue
+        at = next((i for i, a in enumerate(schema.arguments) if a.name == GROUP_NAME_ARG), None)
+        if at is None:
+            continue
+        if at < len(n.args) and str(n.args[at]) in names:
+            n.args = (*n.args[:at], names[str(n.args[at])], *n.args[at + 1:])
+            done += 1
+        elif str(n.kwargs.get(GROUP_NAME_ARG)) in names:
+            n.kwargs = {**n.kwargs, GROUP_NAME_ARG: names[str(n.kwargs[GROUP_NAME_ARG])]}
             done += 1
     gm.recompile()
     return done

@@ -9,9 +9,11 @@ by the same cost model as the auto plan and lowered by the same code:
 - ``fsdp``: every parameter sharded on dim 0 over every mesh dim; the batch split likewise.
 - ``fsdp_tp``: on ``tp`` Megatron column-parallel (wq/wk/wv/w1/w3, the output head: Shard(0) of
   the ``[out, in]`` weight), row-parallel (wo/w2: Shard(1)), the embedding split over the
-  vocabulary, norms replicated, norm outputs replicated, every tp-sharded weight read sharded;
-  on the other dims FSDP (Shard(0)) with the batch split.
-- ``fsdp_tp_sp``: ``fsdp_tp`` with the norms' outputs sharded on the sequence dim over ``tp``.
+  vocabulary, norms replicated, the residual stream and the norms' outputs replicated, every
+  tp-sharded weight read sharded; on the other dims FSDP (Shard(0)) with the batch split.
+- ``fsdp_tp_sp``: ``fsdp_tp`` with the residual stream and the norms' outputs sharded on the
+  sequence dim over ``tp`` (so row-parallel outputs are reduce-scattered into it and
+  column-parallel inputs all-gathered from it).
 
 A baseline that cannot be expressed on the mesh (no ``tp`` dim, a batch the data-parallel dims
 do not divide, a weight ``tp`` does not divide) is ``None``.
@@ -30,7 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from shardwise.ir.match import is_op
 from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh
-from shardwise.plan.placement import Placements
+from shardwise.plan.placement import Placements, on_mesh
 from shardwise.plan.plan import tensor_args
 from shardwise.plan.strategies import divides_evenly, flat_tensor_vals
 
@@ -47,6 +49,7 @@ VOCAB = re.compile(r"(tok_embeddings|embed_tokens)\.weight$")
 aten = torch.ops.aten
 # The ops a decomposed RMSNorm ends in: their outputs are "the norm's output".
 _NORM_OPS = (aten.rsqrt,)
+_DTYPE_CASTS = (aten._to_copy, aten.to)
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class BaselineSpec:
 
     name: str
     fixed: dict[str, Placements]
-    norm_outputs: Placements | None = None
+    norm_layout: Placements | None = None  # the tensor-parallel ones: at the norms' boundaries
 
 
 def _tp_role(param: str, ndim: int) -> Placements | None:
@@ -70,7 +73,7 @@ def baseline_spec(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | None:
     """The fixed placements of baseline ``name`` on ``mesh``, or None when it does not apply."""
     tp = mesh.dim(TP)
     uses_tp = name in ("fsdp_tp", "fsdp_tp_sp")
-    if uses_tp and (tp is None or mesh.ndim < 2):
+    if uses_tp and tp is None:
         return None
     dp_dims = [i for i in range(mesh.ndim) if not (uses_tp and i == tp)]
     fixed: dict[str, Placements] = {}
@@ -81,7 +84,7 @@ def baseline_spec(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | None:
             per_dim[d] = Replicate() if name == "ddp" else Shard(0)
         if uses_tp:
             per_dim[tp] = _tp_role(pname, val.dim())[0]
-        ps = tuple(per_dim)
+        ps = on_mesh(tuple(per_dim), mesh.shape)
         if not divides_evenly(ps, tuple(val.shape), mesh.shape):
             if name == "ddp" or uses_tp and per_dim[tp] != Replicate():
                 return None
@@ -91,43 +94,54 @@ def baseline_spec(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | None:
         fixed[ph] = ps
     for inp in traced.inputs:
         val = traced.node(inp).meta["val"]
-        ps = tuple(Shard(0) if i in dp_dims else Replicate() for i in range(mesh.ndim))
+        ps = on_mesh(tuple(Shard(0) if i in dp_dims else Replicate() for i in range(mesh.ndim)), mesh.shape)
         if not divides_evenly(ps, tuple(val.shape), mesh.shape):
             return None
         fixed[inp] = ps
-    norm_out = None
+    norm_layout = None
     if uses_tp:
-        norm_out = tuple(Shard(1) if (i == tp and name == "fsdp_tp_sp") else (Shard(0) if i in dp_dims
-                         else Replicate()) for i in range(mesh.ndim))
-    return BaselineSpec(name, fixed, norm_out)
+        norm_layout = on_mesh(tuple(Shard(1) if (i == tp and name == "fsdp_tp_sp")
+                                    else (Shard(0) if i in dp_dims else Replicate())
+                                    for i in range(mesh.ndim)), mesh.shape)
+    return BaselineSpec(name, fixed, norm_layout)
 
 
-def norm_output_nodes(traced: Traced) -> list[fx.Node]:
-    """Forward nodes that compute a norm's normalised value (the multiply after ``rsqrt``, or a
-    shardwise norm op)."""
+def norm_nodes(traced: Traced) -> list[fx.Node]:
+    """Forward nodes at the norms' boundaries: each norm's input (the residual stream), its
+    normalised value (the multiply after ``rsqrt``, or a shardwise norm op) and that value scaled
+    by the norm's weight (what the projections read)."""
     out = []
     for n in traced.gm.graph.nodes:
         if traced.phase(n) is not Phase.FORWARD or n.op != "call_function":
             continue
         if str(n.target).startswith("shardwise.") and "norm" in str(n.target):
-            out.append(n)
+            out += [n, *[x for x in tensor_args(n)[:1] if is_op(x, aten.add)]]
         elif is_op(n, aten.mul) and any(is_op(a, *_NORM_OPS) for a in n.all_input_nodes):
-            out.append(n)
+            x = next(a for a in tensor_args(n) if not is_op(a, *_NORM_OPS))
+            while is_op(x, *_DTYPE_CASTS):  # HF norms upcast their input
+                x = tensor_args(x)[0]
+            scaled = [u for u in n.users if traced.phase(u) is Phase.FORWARD and is_op(u, aten.mul)
+                      and any(a.op == "placeholder" and a.name in traced.params.values()
+                              for a in tensor_args(u))]
+            # The residual stream where it is a sum (the embedding before the first norm keeps
+            # its own placements: a vocabulary-parallel lookup yields partial sums).
+            out += [x] if is_op(x, aten.add) else []
+            out += [n, *scaled]
     return out
 
 
 def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placements], bool]:
     """A predicate on (node, output placements) implementing the baseline's fixed choices."""
-    norm_nodes = {n.name for n in norm_output_nodes(traced)} if spec.norm_outputs is not None else set()
+    at_norms = {n.name for n in norm_nodes(traced)} if spec.norm_layout is not None else set()
 
     def allowed(node: fx.Node, ps: Placements) -> bool:
         want = spec.fixed.get(node.name)
         if want is not None:
             return ps == want
-        if node.name in norm_nodes:
+        if node.name in at_norms:
             val = flat_tensor_vals(node)[0]
             target = tuple(p if not (isinstance(p, Shard) and p.dim >= val.dim()) else Replicate()
-                           for p in spec.norm_outputs)
+                           for p in spec.norm_layout)
             return ps == target
         return True
 

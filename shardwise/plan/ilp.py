@@ -56,6 +56,9 @@ LOSS_SINK = -2  # argument index of the loss -> Replicate edge
 # Relative MIP gap at which HiGHS may stop and report "optimal": tighter than the 1e-6 to which
 # plans are compared, loose enough that the solver does not chase rounding noise.
 MIP_REL_GAP = 1e-7
+# The solver sees costs in microseconds: in seconds, a kernel's launch floor (~1e-6) and the
+# differences between strategies (~1e-9) fall under HiGHS's absolute tolerances (~1e-7).
+OBJECTIVE_UNIT_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,19 @@ class MemoryModel:
 
     optimizer_state_bytes: int = 8
     include_activations: bool = True
+
+    def bytes_per_byte(self, traced: Traced, node: fx.Node) -> float:
+        """Device bytes per byte of ``node``'s value held for the step: a parameter with its
+        gradient and optimizer state (training), an activation the backward reads, else 0."""
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return 0.0
+        if node.op == "placeholder" and node.name in traced.params.values():
+            return 2.0 + self.optimizer_state_bytes / val.element_size() if traced.train else 1.0
+        saved = (traced.train and self.include_activations and node.op == "call_function"
+                 and not is_view(node) and traced.phase(node) is Phase.FORWARD
+                 and any(traced.phase(u) is Phase.BACKWARD for u in node.users))
+        return 1.0 if saved else 0.0
 
 
 @dataclass
@@ -222,7 +238,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     nv, nr = len(m.cost), len(m.row_lb)
     lp.num_col_ = nv
     lp.num_row_ = nr
-    lp.col_cost_ = np.array(m.cost, dtype=np.float64)
+    lp.col_cost_ = np.array(m.cost, dtype=np.float64) / OBJECTIVE_UNIT_S
     lp.col_lower_ = np.array(m.lb, dtype=np.float64)
     lp.col_upper_ = np.array(m.ub, dtype=np.float64)
     lp.row_lower_ = np.array(m.row_lb, dtype=np.float64)
@@ -247,7 +263,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         return IlpResult("infeasible", math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem)
     sol = np.asarray(h.getSolution().col_value)
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
-    return IlpResult(label, float(info.objective_function_value), float(info.mip_gap), choice, nv, nr,
+    return IlpResult(label, float(info.objective_function_value) * OBJECTIVE_UNIT_S, float(info.mip_gap),
+                     choice, nv, nr,
                      build_s, solve_s, min_mem)
 
 
@@ -300,26 +317,16 @@ def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx
     """Memory-row coefficients, and the smallest value the row can take (the fully-sharded floor)."""
     terms: dict[int, float] = defaultdict(float)
     floor = 0
-    ph_params = set(traced.params.values())
-
-    def add(node: fx.Node, per_byte: float) -> None:
-        nonlocal floor
-        val = node.meta["val"]
-        supply = _supply(ns, xs, clus, node)
-        sizes = {p: local_bytes(val, p, costs.mesh_shape) * per_byte for p in supply}
+    for n in traced.gm.graph.nodes:
+        per_byte = memory.bytes_per_byte(traced, n)
+        if not per_byte:
+            continue
+        supply = _supply(ns, xs, clus, n)
+        sizes = {p: local_bytes(n.meta["val"], p, costs.mesh_shape) * per_byte for p in supply}
         for p, vs in supply.items():
             for v in vs:
                 terms[v] += sizes[p]
         floor += min(sizes.values())
-
-    for n in traced.gm.graph.nodes:
-        if n.op == "placeholder" and n.name in ph_params:
-            v = n.meta["val"]
-            add(n, 2.0 + memory.optimizer_state_bytes / v.element_size())
-        elif (memory.include_activations and n.op == "call_function" and not is_view(n)
-              and traced.phase(n) is Phase.FORWARD and isinstance(n.meta.get("val"), torch.Tensor)
-              and any(traced.phase(u) is Phase.BACKWARD for u in n.users)):
-            add(n, 1.0)
     return dict(terms), int(floor)
 
 

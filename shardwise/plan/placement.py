@@ -48,3 +48,10 @@ def parse_placement(text: str) -> Placement:
 
 def parse_placements(items: list[str]) -> Placements:
     return tuple(parse_placement(x) for x in items)
+
+
+def on_mesh(ps: Placements, mesh_shape: tuple[int, ...]) -> Placements:
+    """``ps`` with every size-1 mesh dim replicated: a split into one piece, or a sum of one term,
+    is the whole tensor. Plans use only this form, so that equal layouts are one choice (and
+    DTensor is never asked to move a tensor between two spellings of it)."""
+    return tuple(Replicate() if m == 1 else p for p, m in zip(ps, mesh_shape, strict=True))

@@ -13,20 +13,18 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
 from shardwise.cost.hardware import get_hardware
 from shardwise.errors import UserError
-from shardwise.ir.flops import is_view
-from shardwise.ir.trace import Phase, Traced
+from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
 from shardwise.plan.baselines import BaselineSpec, baseline_spec, node_filter, tensor_parallel_uses
 from shardwise.plan.cluster import Clustering, cluster, no_clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, MemoryModel, chosen_strategy, solve
-from shardwise.plan.placement import Placements
+from shardwise.plan.placement import Placements, on_mesh
 from shardwise.plan.plan import CollectiveCount, Estimate, NodeSpec, Plan, graph_fingerprint, tensor_args
 from shardwise.plan.strategies import NodeStrategies, enumerate_strategies
 
@@ -71,9 +69,9 @@ def make_plan(
     timings["cluster_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    allowed = _placeholder_filter(traced, spec, constraints)
+    allowed = _placeholder_filter(traced, spec, constraints, mesh)
     ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
-    if spec is not None and spec.norm_outputs is not None:  # the tensor-parallel baselines
+    if spec is not None and spec.norm_layout is not None:  # the tensor-parallel baselines
         if not _fix_tensor_parallel_choices(spec, traced, ns, mesh, clus):
             return None
     if not traced.train:
@@ -131,7 +129,8 @@ def _fix_tensor_parallel_choices(spec: BaselineSpec, traced: Traced, ns: dict[fx
     return tensor_parallel_uses(spec, traced, ns, mesh, clus.rep)
 
 
-def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: Constraints | None):
+def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: Constraints | None,
+                        mesh: Mesh):
     fixed: dict[str, Placements] = dict(spec.fixed) if spec is not None else {}
     if constraints is not None:
         for pname, ps in constraints.params.items():
@@ -146,7 +145,7 @@ def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: 
 
     def allowed(node: fx.Node, ps: Placements) -> bool:
         want = fixed.get(node.name)
-        return want is None or ps == want
+        return want is None or ps == on_mesh(want, mesh.shape)
 
     return allowed
 
@@ -221,20 +220,12 @@ def estimate(traced: Traced, plan: Plan, costs: PlannerCosts | None = None,
         est.comm_s += rc.time_s
         for c in rc.collectives:
             colls[c.kind.value] += CollectiveCount(1, c.bytes)
-    ph_params = set(traced.params.values())
-    mem = 0
+    mem = 0.0
     for n in traced.gm.graph.nodes:
         spec = plan.nodes.get(n.name)
-        val = n.meta.get("val")
-        if spec is None or not isinstance(val, torch.Tensor):
-            continue
-        if n.name in ph_params:
-            per = (2.0 + memory.optimizer_state_bytes / val.element_size()) if traced.train else 1.0
-            mem += local_bytes(val, spec.output[0], mesh_shape) * per
-        elif (traced.train and memory.include_activations and n.op == "call_function" and not is_view(n)
-              and traced.phase(n) is Phase.FORWARD
-              and any(traced.phase(x) is Phase.BACKWARD for x in n.users)):
-            mem += local_bytes(val, spec.output[0], mesh_shape)
+        per_byte = memory.bytes_per_byte(traced, n) if spec is not None else 0.0
+        if per_byte:
+            mem += local_bytes(n.meta["val"], spec.output[0], mesh_shape) * per_byte
     est.memory_bytes = int(mem)
     plan.estimate = est
     plan.collectives = dict(colls)

@@ -31,7 +31,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shardwise.plan.placement import Placements
+from shardwise.plan.placement import Placements, on_mesh
 from shardwise.plan.plan import tensor_args
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,11 @@ def divides_evenly(placements: Placements, shape: tuple[int, ...], mesh_shape: t
 
 
 def placeholder_choices(t: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Placements]:
-    """Every Shard/Replicate combination over the mesh that divides ``t`` evenly."""
-    per_dim = [Replicate()] + [Shard(d) for d in range(t.dim())]
-    return [ps for ps in itertools.product(per_dim, repeat=len(mesh_shape))
-            if divides_evenly(ps, tuple(t.shape), mesh_shape)]
+    """Every Shard/Replicate combination over the mesh that divides ``t`` evenly (size-1 mesh
+    dims replicated, see ``placement.on_mesh``)."""
+    splits = [Shard(d) for d in range(t.dim())]
+    per_dim = [[Replicate()] + (splits if m > 1 else []) for m in mesh_shape]
+    return [ps for ps in itertools.product(*per_dim) if divides_evenly(ps, tuple(t.shape), mesh_shape)]
 
 
 def _sum_partials_only(s: Strategy) -> bool:
@@ -93,6 +94,8 @@ def _sum_partials_only(s: Strategy) -> bool:
 def _valid(s: Strategy, out_shapes: list[tuple[int, ...] | None], in_shapes: list[tuple[int, ...]],
            mesh_shape: tuple[int, ...]) -> bool:
     if not _sum_partials_only(s):
+        return False
+    if any(ps != on_mesh(ps, mesh_shape) for ps in (*s.output, *s.inputs)):
         return False
     for ps, shp in zip(s.output, out_shapes, strict=False):
         if shp is not None and not divides_evenly(ps, shp, mesh_shape):

@@ -21,7 +21,6 @@ kills every child. A worker that never reports by ``timeout_s`` is named as hung
 from __future__ import annotations
 
 import contextlib
-import copy
 import enum
 import importlib
 import io
@@ -44,7 +43,9 @@ import torch.distributed as dist
 from shardwise.errors import UserError
 from shardwise.lower.spmd import SPMDProgram, rename_groups
 from shardwise.plan.plan import CollectiveCount
+from shardwise.runtime import wire
 from shardwise.runtime.counter import CollectiveCounter, count_graph
+from shardwise.runtime.wire import WireGraph
 
 LOCALHOST = "127.0.0.1"
 # After the first rank fails, how long the others get to report their own errors before all
@@ -55,11 +56,10 @@ FAILURE_GRACE_S = 2.0
 PG_TIMEOUT_SHARE = 0.8
 # Modules a rank imports before it unpickles its tasks (the forkserver imports them once, so each
 # rank starts with them loaded): they register the op namespaces lowered graphs call (c10d
-# functional collectives, DeviceMesh's runtime coordinate, shardwise's ops), and unpickling a
-# GraphModule re-traces its code with a tracer that reads triton_kernel_wrap without importing it.
+# functional collectives, DeviceMesh's runtime coordinate, shardwise's ops). The order matters:
+# DeviceMesh's ops module can only be imported after torch.distributed.tensor.
 WORKER_IMPORTS = ("torch", "torch.distributed._functional_collectives", "torch.distributed.tensor",
-                  "torch.distributed._ops.device_mesh", "torch._higher_order_ops.triton_kernel_wrap",
-                  "shardwise.runtime.launch", "shardwise.ir.ops")
+                  "torch.distributed._ops.device_mesh", "shardwise.runtime.launch", "shardwise.ir.ops")
 # A planted hang sleeps this long: far past any run's timeout.
 HANG_S = 3600.0
 # Errors that say "a peer went away / did not answer", not what went wrong first.
@@ -87,9 +87,10 @@ class Fault:
 class RunError(RuntimeError):
     """A rank failed or hung; the message names it."""
 
-    def __init__(self, message: str, rank: int | None = None) -> None:
+    def __init__(self, message: str, rank: int | None = None, details: str = "") -> None:
         super().__init__(message)
         self.rank = rank
+        self.details = details  # the failing rank's traceback, when it sent one
 
 
 @dataclass
@@ -265,11 +266,11 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
 
 @dataclass
 class _RankTask:
-    """What one rank needs to run one program, picklable (the worker is a fresh process): the
-    program's graph with real constants, its group names by mesh dim, the mesh and the rank's
-    local arguments."""
+    """What one rank needs to run one program, picklable by ``wire.dumps`` (the worker is a
+    fresh process): the program's graph with real constants, its group names by mesh dim, the
+    mesh and the rank's local arguments."""
 
-    gm: torch.fx.GraphModule
+    graph: WireGraph
     group_dims: dict[str, int]
     mesh_shape: tuple[int, ...]
     mesh_names: tuple[str, ...] | None
@@ -277,16 +278,11 @@ class _RankTask:
 
 
 def _tasks(program: SPMDProgram, data: StepData) -> list[_RankTask]:
-    """One task per rank: a copy of the graph (its module's attributes shared, not copied) with
-    its fake constants replaced by their real values."""
-    gm = torch.fx.GraphModule(program.gm, copy.deepcopy(program.gm.graph))
-    for name, value in data.constants.items():
-        if name in gm._buffers:
-            gm._buffers[name] = value
-        else:
-            setattr(gm, name, value)
+    """One task per rank: the graph with its fake constants replaced by their real values."""
+    graph = WireGraph.of(program.gm)
+    graph.attrs.update({k: v for k, v in data.constants.items() if k in graph.attrs})
     mesh = program.mesh
-    return [_RankTask(gm, dict(program.group_dims), tuple(mesh.shape), mesh.names,
+    return [_RankTask(graph, dict(program.group_dims), tuple(mesh.shape), mesh.names,
                       program.local_args(data.params, data.inputs, r))
             for r in range(program.world_size)]
 
@@ -297,7 +293,7 @@ def _bind(task: _RankTask, device: torch.device) -> torch.fx.GraphModule:
 
     shape = task.mesh_shape
     dm = DeviceMesh(device.type, torch.arange(math.prod(shape)).view(shape), mesh_dim_names=task.mesh_names)
-    gm = task.gm
+    gm = task.graph.module()
     rename_groups(gm, {old: dm.get_group(d).group_name for old, d in task.group_dims.items()})
     retarget_device(gm, device)
     return gm
@@ -338,9 +334,7 @@ def _from_bytes(data: bytes) -> _RankOutput:
 def _worker(rank: int, world: int, port: int, backend: str, tasks: bytes, fault: Fault | None,
             pg_timeout_s: float, results) -> None:
     """One rank in a fresh process: join the real group, run, report (never raises). ``tasks``
-    is the pickled ``list[_RankTask]``, unpickled once the ops it names are registered and the
-    group exists (unpickling a GraphModule re-traces it, running ops on constant arguments, such
-    as DeviceMesh's runtime coordinate, which reads the rank)."""
+    is the pickled ``list[_RankTask]``, unpickled once the ops it names are registered."""
     try:
         for module in WORKER_IMPORTS:
             importlib.import_module(module)
@@ -434,7 +428,7 @@ def _launch_local(programs, datas, backend: str, world: int, fault: Fault | None
                           timeout=timedelta(seconds=timeout_s))
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, name=f"shardwise-rank{r}", daemon=True,
-                         args=(r, world, store.port, backend, pickle.dumps([t[r] for t in tasks]), fault,
+                         args=(r, world, store.port, backend, wire.dumps([t[r] for t in tasks]), fault,
                                timeout_s * PG_TIMEOUT_SHARE, results))
              for r in range(world)]
     deadline = time.monotonic() + timeout_s
@@ -493,7 +487,7 @@ def _collect(results, procs, world: int, deadline: float, timeout_s: float) -> l
     if own:
         rank = min(own)
         tail = f"; rank(s) {', '.join(map(str, silent))} did not finish" if silent else ""
-        raise RunError(f"rank {rank} failed: {errors[rank][0]}{tail}.", rank)
+        raise RunError(f"rank {rank} failed: {errors[rank][0]}{tail}.", rank, errors[rank][1])
     if silent:
         # Nobody failed on its own: the silent rank hung and the others (if any) gave up on it.
         waiting = (f" while rank(s) {', '.join(map(str, sorted(errors)))} timed out waiting for it"
@@ -501,7 +495,7 @@ def _collect(results, procs, world: int, deadline: float, timeout_s: float) -> l
         raise RunError(f"rank {silent[0]} hung: no report within {timeout_s:g} s{waiting}.", silent[0])
     if errors:
         rank = min(errors)
-        raise RunError(f"rank {rank} failed: {errors[rank][0]}.", rank)
+        raise RunError(f"rank {rank} failed: {errors[rank][0]}.", rank, errors[rank][1])
     return [done[r] for r in range(world)]
 
 
