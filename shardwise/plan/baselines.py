@@ -1,6 +1,7 @@
 """The hand-written plans people use, as constraints on the same ILP.
 
-A baseline fixes what its authors fix — where each parameter lives, how the batch is split, and
+A baseline fixes what its authors fix — where each parameter lives, that every value carrying
+the batch stays split over the data-parallel dims (each rank works on its own sequences), and
 (for the tensor-parallel ones) whether the residual stream around the norms is replicated or
 sharded on the sequence — and the ILP completes the rest at least cost, so a baseline is priced
 by the same cost model as the auto plan and lowered by the same code:
@@ -29,6 +30,7 @@ import torch
 from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 
+from shardwise.ir.flops import is_view
 from shardwise.ir.match import is_op
 from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh
@@ -59,6 +61,9 @@ class BaselineSpec:
     name: str
     fixed: dict[str, Placements]
     norm_layout: Placements | None = None  # the tensor-parallel ones: at the norms' boundaries
+    # Data parallelism: every value that carries the batch (dim 0) is split on these mesh dims.
+    dp_dims: tuple[int, ...] = ()
+    batch_nodes: frozenset[str] = frozenset()
 
 
 def _tp_role(param: str, ndim: int) -> Placements | None:
@@ -103,7 +108,27 @@ def baseline_spec(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | None:
         norm_layout = on_mesh(tuple(Shard(1) if (i == tp and name == "fsdp_tp_sp")
                                     else (Shard(0) if i in dp_dims else Replicate())
                                     for i in range(mesh.ndim)), mesh.shape)
-    return BaselineSpec(name, fixed, norm_layout)
+    dp = tuple(d for d in dp_dims if mesh.shape[d] > 1)
+    return BaselineSpec(name, fixed, norm_layout, dp, batch_nodes(traced) if dp else frozenset())
+
+
+def batch_nodes(traced: Traced) -> frozenset[str]:
+    """Computed values that carry the batch: they depend on the inputs and their dim 0 is the
+    batch (flattened tokens, losses and weight gradients do not qualify; views follow whatever
+    they view)."""
+    if not traced.inputs:
+        return frozenset()
+    batch = traced.node(traced.inputs[0]).meta["val"].shape[0]
+    reached = {traced.node(i) for i in traced.inputs}
+    out = set()
+    for n in traced.gm.graph.nodes:
+        if n.op != "call_function" or not any(a in reached for a in n.all_input_nodes):
+            continue
+        reached.add(n)
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() >= 1 and val.shape[0] == batch and not is_view(n):
+            out.add(n.name)
+    return frozenset(out)
 
 
 def norm_nodes(traced: Traced) -> list[fx.Node]:
@@ -138,6 +163,8 @@ def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placem
         want = spec.fixed.get(node.name)
         if want is not None:
             return ps == want
+        if node.name in spec.batch_nodes and any(ps[d] != Shard(0) for d in spec.dp_dims):
+            return False
         if node.name in at_norms:
             val = flat_tensor_vals(node)[0]
             target = tuple(p if not (isinstance(p, Shard) and p.dim >= val.dim()) else Replicate()

@@ -59,6 +59,8 @@ MIP_REL_GAP = 1e-7
 # The solver sees costs in microseconds: in seconds, a kernel's launch floor (~1e-6) and the
 # differences between strategies (~1e-9) fall under HiGHS's absolute tolerances (~1e-7).
 OBJECTIVE_UNIT_S = 1e-6
+# ... and the memory row in GiB (in bytes its coefficients reach 1e11, far from the others').
+MEMORY_UNIT_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     min_mem = None
     if memory_budget is not None and traced.train:
         mem_terms, min_mem = _memory_terms(traced, ns, xs, clus, costs, memory)
-        m.row(-math.inf, float(memory_budget), mem_terms)
+        m.row(-math.inf, float(memory_budget) / MEMORY_UNIT_BYTES,
+              {v: b / MEMORY_UNIT_BYTES for v, b in mem_terms.items()})
 
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()

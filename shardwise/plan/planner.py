@@ -71,9 +71,8 @@ def make_plan(
     t = time.perf_counter()
     allowed = _placeholder_filter(traced, spec, constraints, mesh)
     ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
-    if spec is not None and spec.norm_layout is not None:  # the tensor-parallel baselines
-        if not _fix_tensor_parallel_choices(spec, traced, ns, mesh, clus):
-            return None
+    if spec is not None and not _fix_baseline_choices(spec, traced, ns, mesh, clus):
+        return None
     if not traced.train:
         _no_partial_outputs(traced, ns, clus)
     for n, st in ns.items():
@@ -114,19 +113,20 @@ def make_plan(
     return plan
 
 
-def _fix_tensor_parallel_choices(spec: BaselineSpec, traced: Traced, ns: dict[fx.Node, NodeStrategies],
-                                 mesh: Mesh, clus: Clustering) -> bool:
-    """Norm outputs placed as the baseline says, tp-sharded weights read sharded; False when
-    some node has no strategy left (the baseline does not apply)."""
+def _fix_baseline_choices(spec: BaselineSpec, traced: Traced, ns: dict[fx.Node, NodeStrategies],
+                          mesh: Mesh, clus: Clustering) -> bool:
+    """Values placed as the baseline says (the batch split, the norms' boundaries), tp-sharded
+    weights read sharded; False when some node has no strategy left (it does not apply)."""
     keep = node_filter(spec, traced)
     for n, st in ns.items():
         if st.alias_of is None and n.op == "call_function":
             kept = [s for s in st.strategies if keep(n, s.output[0])]
             if not kept:
+                log.debug("baseline %s: no strategy of %s fits", spec.name, n.format_node())
                 return False
             if len(kept) < len(st.strategies):
                 st.strategies, st.follows = kept, None
-    return tensor_parallel_uses(spec, traced, ns, mesh, clus.rep)
+    return spec.norm_layout is None or tensor_parallel_uses(spec, traced, ns, mesh, clus.rep)
 
 
 def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: Constraints | None,
