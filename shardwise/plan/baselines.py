@@ -145,9 +145,11 @@ def norm_nodes(traced: Traced) -> list[fx.Node]:
             x = next(a for a in tensor_args(n) if not is_op(a, *_NORM_OPS))
             while is_op(x, *_DTYPE_CASTS):  # HF norms upcast their input
                 x = tensor_args(x)[0]
-            scaled = [u for u in n.users if traced.phase(u) is Phase.FORWARD and is_op(u, aten.mul)
-                      and any(a.op == "placeholder" and a.name in traced.params.values()
-                              for a in tensor_args(u))]
+            # ... and cast back to the model's dtype before the weight multiply.
+            heads = [n, *(u for u in n.users if is_op(u, *_DTYPE_CASTS))]
+            weights = set(traced.params.values())
+            scaled = [u for h in heads for u in h.users if traced.phase(u) is Phase.FORWARD
+                      and is_op(u, aten.mul) and any(a.name in weights for a in tensor_args(u))]
             # The residual stream where it is a sum (the embedding before the first norm keeps
             # its own placements: a vocabulary-parallel lookup yields partial sums).
             out += [x] if is_op(x, aten.add) else []
@@ -155,15 +157,17 @@ def norm_nodes(traced: Traced) -> list[fx.Node]:
     return out
 
 
-def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placements], bool]:
+def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placements, bool], bool]:
     """A predicate on (node, output placements) implementing the baseline's fixed choices."""
     at_norms = {n.name for n in norm_nodes(traced)} if spec.norm_layout is not None else set()
 
-    def allowed(node: fx.Node, ps: Placements) -> bool:
+    def allowed(node: fx.Node, ps: Placements, follower: bool) -> bool:
+        """Followers (placed by their producer) are exempt from the batch rule: what they follow
+        may not carry the batch in dim 0 (a flattened token axis, viewed back)."""
         want = spec.fixed.get(node.name)
         if want is not None:
             return ps == want
-        if node.name in spec.batch_nodes and any(ps[d] != Shard(0) for d in spec.dp_dims):
+        if not follower and node.name in spec.batch_nodes and any(ps[d] != Shard(0) for d in spec.dp_dims):
             return False
         if node.name in at_norms:
             val = flat_tensor_vals(node)[0]

@@ -120,7 +120,7 @@ def _fix_baseline_choices(spec: BaselineSpec, traced: Traced, ns: dict[fx.Node, 
     keep = node_filter(spec, traced)
     for n, st in ns.items():
         if st.alias_of is None and n.op == "call_function":
-            kept = [s for s in st.strategies if keep(n, s.output[0])]
+            kept = [s for s in st.strategies if keep(n, s.output[0], st.follows is not None)]
             if not kept:
                 log.debug("baseline %s: no strategy of %s fits", spec.name, n.format_node())
                 return False

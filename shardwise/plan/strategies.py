@@ -256,18 +256,29 @@ def _dtensor_strategies(node: fx.Node, arg_choices: dict[fx.Node, list[Placement
 
     if single is not None:
         return _single_dim_strategies(node, schema_for(arg_choices), single, mesh)
+    targs = tensor_args(node)
     try:
         specs = _strategy_specs(func(schema_for(arg_choices)))
     except (IndexError, AssertionError):
         # Some rules (nll_loss) index every input's strategy list by the first input's position:
         # ask once per placement of the first input, the others offered whole (replicated).
-        targs = tensor_args(node)
         rep = (Replicate(),) * mesh.ndim
         specs = []
         for p in arg_choices[targs[0]]:
             one = {a: [rep] for a in targs}
             one[targs[0]] = [p]
             specs.extend(_strategy_specs(func(schema_for(one))) or [])
+    except Exception:
+        if len(targs) != 1:
+            raise
+        # One input placement the rule cannot take (a view splitting a sharded dim unevenly)
+        # fails the whole list: ask once per placement and keep the ones it takes.
+        specs = []
+        for p in arg_choices[targs[0]]:
+            try:
+                specs.extend(_strategy_specs(func(schema_for({targs[0]: [p]}))) or [])
+            except Exception:  # noqa: BLE001  (this placement has no strategy; the others may)
+                continue
     if specs is None:
         return None
     n_in = len(tensor_args(node))

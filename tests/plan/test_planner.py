@@ -133,3 +133,36 @@ def test_hf_llama_plans_without_fallbacks(hf_tiny_config):
     plan = make_plan(tr, Mesh((2, 2)), baseline="fsdp_tp")
     assert plan is not None and plan.status == "optimal"
     assert plan.fallback_ops == []
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "hf"])
+def test_sequence_parallel_baseline_gathers_right_before_each_column_projection(model, hf_tiny_config):
+    """fsdp_tp_sp: the value a column-parallel projection reads (the norm's output scaled by its
+    weight, bf16 HF norms casting in between) is sequence-sharded on tp and gathered by the
+    projection itself, so the all_gather and the matmul are adjacent (what collective-matmul
+    fusion needs), in the training graph too."""
+    from shardwise.ir.flops import is_view
+    from shardwise.plan.baselines import COLUMN
+
+    name = f"hf:{hf_tiny_config}" if model == "hf" else model
+    tr = trace_model(name, layers=1, batch=4, seq=16, dtype="bf16")
+    canonicalize(tr)
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    plan = make_plan(tr, mesh, baseline="fsdp_tp_sp")
+    by_ph = {ph: p for p, ph in tr.params.items()}
+    checked = 0
+    for n in tr.gm.graph.nodes:
+        if "einsum" not in str(n.target) or tr.phase(n).name != "FORWARD":
+            continue
+        act, w = n.args[1]
+        while w.op != "placeholder" and w.all_input_nodes:
+            w = w.all_input_nodes[0]
+        if not COLUMN.search(by_ph.get(w.name, "")) or "embed" in by_ph[w.name]:
+            continue
+        src = act
+        while is_view(src):
+            src = src.all_input_nodes[0]
+        assert plan.nodes[n.name].inputs[0][1] == Replicate(), n.name
+        assert plan.nodes[src.name].output[0][1] == Shard(1), (n.name, src.name)
+        checked += 1
+    assert checked >= 5  # q, k, v, gate, up (and the head)
