@@ -24,9 +24,23 @@ def test_json_report_of_a_checked_ddp_step(capsys):
     assert out["world_size"] == 2 and out["plan"] == "ddp"
     assert out["max_rel_err"] <= 1e-4
     assert out["loss"] == pytest.approx(out["loss_ref"], rel=1e-5)
-    assert out["collectives"]["measured"] == out["collectives"]["predicted"]
-    assert set(out["collectives"]) == {"predicted", "measured"}
+    assert out["collectives"]["measured"] == out["collectives"]["predicted"] == out["collectives"]["program"]
     assert out["rewrites"] == {} and out["wall_s"] > 0
+
+
+@pytest.mark.slow
+def test_passes_from_the_command_line_fuse_and_keep_the_numbers(capsys):
+    """The training step with sequence parallelism and collective-matmul fusion: the rewritten
+    program runs exactly its own collectives (the fused ones move theirs as ring transfers) and
+    matches the reference."""
+    argv = ["run", *TINY, "--layers", "2", "--mesh", "2", "--mesh-names", "tp", "--plan", "fsdp_tp_sp",
+            "--passes", "sequence_parallel,collective_matmul", "--check", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rewrites"]["collective_matmul"] >= 9  # every forward projection of 2 layers, the head
+    assert out["collectives"]["measured"] == out["collectives"]["program"]
+    assert out["collectives"]["program"] != out["collectives"]["predicted"]
+    assert out["max_rel_err"] <= 1e-4
 
 
 def _error(capsys, *argv: str) -> str:
