@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import fx
 
-from shardwise.ir.meta import shape
+from shardwise.ir.meta import fake_value, shape
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -129,9 +129,33 @@ def erase_if_dead(nodes: Iterable[fx.Node]) -> None:
             n.graph.erase_node(n)
 
 
+def cast_dtype(node: object) -> torch.dtype | None:
+    """The target dtype of a pure dtype cast (``_to_copy`` with no other effect), else None."""
+    if not is_op(node, aten._to_copy.default):
+        return None
+    extra = set(node.kwargs) - {"dtype", "layout", "device"}
+    v, src = fake_value(node), fake_value(arg_node(node))
+    if extra or v is None or src is None or v.device != src.device:
+        return None
+    return node.kwargs.get("dtype")
+
+
+def mul_other(mul: fx.Node, one: fx.Node) -> fx.Node | None:
+    """The other operand of ``mul(one, other)`` / ``mul(other, one)``."""
+    if not is_op(mul, aten.mul.Tensor) or len(mul.args) != 2:
+        return None
+    a, b = mul.args
+    if a is one and isinstance(b, fx.Node):
+        return b
+    if b is one and isinstance(a, fx.Node):
+        return a
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Collectives: torch.ops._c10d_functional ops and their wait_tensor.
 # ---------------------------------------------------------------------------------------------
+
 
 import enum  # noqa: E402
 from dataclasses import dataclass  # noqa: E402

@@ -35,7 +35,7 @@ import torch
 from torch import fx
 
 import shardwise.ir.ops  # noqa: F401  (registers torch.ops.shardwise.*)
-from shardwise.ir.match import arg_node, insert_call_after, is_op
+from shardwise.ir.match import arg_node, cast_dtype, insert_call_after, is_op, mul_other
 from shardwise.ir.meta import copy_meta, fake_value, shape
 
 log = logging.getLogger(__name__)
@@ -65,29 +65,6 @@ class NormMatch:
     eps: float
     out: fx.Node
     inner: list[fx.Node]
-
-
-def _cast_dtype(node: object) -> torch.dtype | None:
-    """The target dtype of a pure dtype cast (``_to_copy`` with no other effect), else None."""
-    if not is_op(node, aten._to_copy.default):
-        return None
-    extra = set(node.kwargs) - {"dtype", "layout", "device"}
-    v, src = fake_value(node), fake_value(arg_node(node))
-    if extra or v is None or src is None or v.device != src.device:
-        return None
-    return node.kwargs.get("dtype")
-
-
-def _mul_other(mul: fx.Node, one: fx.Node) -> fx.Node | None:
-    """The other operand of ``mul(one, other)`` / ``mul(other, one)``."""
-    if not is_op(mul, aten.mul.Tensor) or len(mul.args) != 2:
-        return None
-    a, b = mul.args
-    if a is one and isinstance(b, fx.Node):
-        return b
-    if b is one and isinstance(a, fx.Node):
-        return a
-    return None
 
 
 def _is_square(node: fx.Node, xf: fx.Node) -> bool:
@@ -148,10 +125,10 @@ def match_norm(rsqrt: fx.Node) -> NormMatch | None:
         return None
     if not _is_last_dim_keepdim_mean(mean, len(shape(xf))):
         return None
-    scaled = next((u for u in rsqrt.users if _mul_other(u, rsqrt) is xf), None)
+    scaled = next((u for u in rsqrt.users if mul_other(u, rsqrt) is xf), None)
     if scaled is None:
         return None
-    cast_in = _cast_dtype(xf)
+    cast_in = cast_dtype(xf)
     x = arg_node(xf) if cast_in is not None else xf
     compute_in = x
     if x is None or not _computes_in_op_precision(x, xf):
@@ -165,13 +142,13 @@ def match_norm(rsqrt: fx.Node) -> NormMatch | None:
     if nxt is None:
         return None
     xdtype = fake_value(x).dtype
-    if cast_in is not None and _cast_dtype(nxt) == xdtype and len(nxt.users) == 1:
+    if cast_in is not None and cast_dtype(nxt) == xdtype and len(nxt.users) == 1:
         mul = next(iter(nxt.users))
-        w = _mul_other(mul, nxt)
+        w = mul_other(mul, nxt)
         inner.append(nxt)
         out = mul
     else:
-        w = _mul_other(nxt, scaled)
+        w = mul_other(nxt, scaled)
         out = nxt
         if cast_in is not None:
             # F.rms_norm in low precision: the op runs on the fp32 value, the cast stays.

@@ -31,7 +31,7 @@ from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 
 from shardwise.ir.flops import is_view
-from shardwise.ir.match import is_op
+from shardwise.ir.match import arg_node, cast_dtype, is_op, mul_other
 from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh
 from shardwise.plan.placement import Placements, on_mesh
@@ -51,7 +51,6 @@ VOCAB = re.compile(r"(tok_embeddings|embed_tokens)\.weight$")
 aten = torch.ops.aten
 # The ops a decomposed RMSNorm ends in: their outputs are "the norm's output".
 _NORM_OPS = (aten.rsqrt,)
-_DTYPE_CASTS = (aten._to_copy, aten.to)
 
 
 @dataclass(frozen=True)
@@ -135,21 +134,21 @@ def norm_nodes(traced: Traced) -> list[fx.Node]:
     """Forward nodes at the norms' boundaries: each norm's input (the residual stream), its
     normalised value (the multiply after ``rsqrt``, or a shardwise norm op) and that value scaled
     by the norm's weight (what the projections read)."""
+    weights = set(traced.params.values())
     out = []
     for n in traced.gm.graph.nodes:
         if traced.phase(n) is not Phase.FORWARD or n.op != "call_function":
             continue
+        rsqrt = next((a for a in n.all_input_nodes if is_op(a, *_NORM_OPS)), None)
         if str(n.target).startswith("shardwise.") and "norm" in str(n.target):
             out += [n, *[x for x in tensor_args(n)[:1] if is_op(x, aten.add)]]
-        elif is_op(n, aten.mul) and any(is_op(a, *_NORM_OPS) for a in n.all_input_nodes):
-            x = next(a for a in tensor_args(n) if not is_op(a, *_NORM_OPS))
-            while is_op(x, *_DTYPE_CASTS):  # HF norms upcast their input
-                x = tensor_args(x)[0]
+        elif rsqrt is not None and (x := mul_other(n, rsqrt)) is not None:
+            while cast_dtype(x) is not None:  # HF norms upcast their input
+                x = arg_node(x)
             # ... and cast back to the model's dtype before the weight multiply.
-            heads = [n, *(u for u in n.users if is_op(u, *_DTYPE_CASTS))]
-            weights = set(traced.params.values())
+            heads = [n, *(u for u in n.users if cast_dtype(u) is not None)]
             scaled = [u for h in heads for u in h.users if traced.phase(u) is Phase.FORWARD
-                      and is_op(u, aten.mul) and any(a.name in weights for a in tensor_args(u))]
+                      and getattr(mul_other(u, h), "name", None) in weights]
             # The residual stream where it is a sum (the embedding before the first norm keeps
             # its own placements: a vocabulary-parallel lookup yields partial sums).
             out += [x] if is_op(x, aten.add) else []
