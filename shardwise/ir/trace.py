@@ -49,9 +49,16 @@ class Traced:
     outputs: list[str] = field(default_factory=list)
     phases: dict[str, Phase] = field(default_factory=dict)
     model_name: str = ""
+    _index: dict[str, fx.Node] = field(default_factory=dict, repr=False, compare=False)
 
     def node(self, name: str) -> fx.Node:
-        return _node_index(self.gm)[name]
+        """The node called ``name``; the index is rebuilt when a pass has renamed, replaced or
+        erased what it holds (callers ask thousands of times per plan)."""
+        n = self._index.get(name)
+        if n is None or n.name != name or n.graph is not self.gm.graph or n._erased:
+            self._index = _node_index(self.gm)
+            n = self._index[name]
+        return n
 
     def phase(self, node: fx.Node) -> Phase:
         return self.phases.get(node.name, Phase.FORWARD)

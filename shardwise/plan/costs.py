@@ -11,6 +11,7 @@ import math
 import operator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import fx
 from torch.distributed.tensor import Partial, Shard
@@ -52,6 +53,7 @@ class PlannerCosts:
         self._node_cache: dict[tuple, float] = {}
         self._node_facts: dict[fx.Node, tuple] = {}
         self._reshard_cache: dict[tuple, tuple[Placements, Placements, ReshardCost]] = {}
+        self._matrix_cache: dict[tuple, tuple[list, list, np.ndarray]] = {}
 
     def compute_time(self, node: fx.Node, s: Strategy) -> float:
         """Roofline time of ``node`` run with strategy ``s`` on local shapes."""
@@ -75,6 +77,17 @@ class PlannerCosts:
         t = roofline_time(NodeCost(glob.flops // div, reads, writes), self.hw, outs[0].dtype)
         self._node_cache[(key, s)] = t
         return t
+
+    def move_times(self, srcs: list[Placements], dsts: list[Placements], val: torch.Tensor) -> np.ndarray:
+        """Seconds to move ``val`` from each of ``srcs`` to each of ``dsts`` (inf: impossible),
+        one matrix per distinct question: identical layers ask the same ones."""
+        key = (tuple(map(id, srcs)), tuple(map(id, dsts)), val.shape, val.dtype)
+        hit = self._matrix_cache.get(key)
+        if hit is None:
+            times = np.array([[0.0 if p is q else self.reshard(p, q, val).time_s for q in dsts]
+                              for p in srcs], dtype=np.float64).reshape(len(srcs), len(dsts))
+            hit = self._matrix_cache[key] = (srcs, dsts, times)  # srcs/dsts keep their ids theirs
+        return hit[2]
 
     def reshard(self, src: Placements, dst: Placements, val: torch.Tensor) -> ReshardCost:
         """Redistribution cost; keyed on object identity (strategies hold interned placements,

@@ -116,12 +116,31 @@ class _Model:
         self.integer.append(integer)
         return len(self.cost) - 1
 
+    def vars(self, n: int) -> int:
+        """``n`` continuous variables in [0, 1] at no cost; returns the first one's index."""
+        first = len(self.cost)
+        self.cost.extend([0.0] * n)
+        self.lb.extend([0.0] * n)
+        self.ub.extend([1.0] * n)
+        self.integer.extend([False] * n)
+        return first
+
     def row(self, lo: float, hi: float, terms: dict[int, float]) -> None:
         self.row_lb.append(lo)
         self.row_ub.append(hi)
         self.starts.append(len(self.index))
         self.index.extend(terms.keys())
         self.value.extend(terms.values())
+
+
+@dataclass
+class _Paid:
+    """One edge's paid moves: each one's e variable, its (p, q) (by the interned placements'
+    ids) and its time in seconds."""
+
+    cols: list[int]
+    pairs: list[tuple[int, int]]
+    seconds: list[float]
 
 
 def _supply(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]], clus: Clustering,
@@ -203,9 +222,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         edge(loss, (clus.rep[loss], clus.rep[loss], LOSS_SINK))
 
     one = m.var(0.0, lb=1.0, integer=False)  # the constant 1
-    moves: dict[tuple[fx.Node, fx.Node, int], dict[tuple[Placements, Placements], tuple[int, float]]] = {}
-    for (u, v, j) in example:
-        val = example[(u, v, j)].meta["val"]
+    moves: dict[tuple[fx.Node, fx.Node, int], _Paid] = {}
+    for (u, v, j), producer in example.items():
         supply = _supply(ns, xs, clus, u)
         if j == LOSS_SINK:
             demand = {intern((Replicate(),) * len(costs.mesh_shape)): [one]}
@@ -217,7 +235,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
                 demand[s.inputs[j]].extend(xs[v][i])
         if len(supply) == 1 and list(supply) == list(demand):
             continue  # one placement on both ends: nothing to decide, nothing to pay
-        moves[(u, v, j)] = _add_edge(m, supply, demand, lambda p, q, val=val: costs.reshard(p, q, val).time_s)
+        moves[(u, v, j)] = _add_edge(m, supply, demand,
+                                     costs.move_times(list(supply), list(demand), producer.meta["val"]))
     groups: dict[tuple[fx.Node, frozenset], int] = defaultdict(int)
     for u, keys in out_keys.items():
         groups[(clus.rep[u], frozenset(k for k in keys if k in moves))] += 1
@@ -272,40 +291,38 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
 
 
 def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Placements, list[int]],
-              cost) -> dict[tuple[Placements, Placements], tuple[int, float]]:
+              times: np.ndarray) -> _Paid:
     """Transportation rows for one edge: e[p,q] >= 0 for every finite (p, q),
-    sum_q e[p,q] = y[p] and sum_p e[p,q] = z[q]. Returns {(p, q): (e, c(p, q))} for the paid
-    moves (p != q); ``_charge_moves`` puts their cost in the objective."""
-    paid: dict[tuple[Placements, Placements], tuple[int, float]] = {}
-    by_p: dict[Placements, dict[int, float]] = {p: {y: -1.0 for y in ys} for p, ys in supply.items()}
-    for q, zvars in demand.items():
-        row = {z: -1.0 for z in zvars}
-        for p in supply:
-            c = 0.0 if p == q else cost(p, q)
-            if math.isfinite(c):
-                e = m.var(0.0, integer=False)
-                row[e] = 1.0
-                by_p[p][e] = 1.0
-                if c > 0.0:
-                    paid[(p, q)] = (e, c)
+    sum_q e[p,q] = y[p] and sum_p e[p,q] = z[q]. Returns the paid moves (p != q, time > 0);
+    ``_charge_moves`` puts their cost in the objective."""
+    srcs, dsts = list(supply), list(demand)
+    finite = np.isfinite(times)
+    cols = np.full(times.shape, -1, dtype=np.int64)
+    cols[finite] = m.vars(int(finite.sum())) + np.arange(int(finite.sum()))
+    for j, q in enumerate(dsts):
+        row = dict.fromkeys(demand[q], -1.0)
+        row.update(dict.fromkeys(cols[finite[:, j], j].tolist(), 1.0))
         m.row(0.0, 0.0, row)
-    for row in by_p.values():
+    for i, p in enumerate(srcs):
+        row = dict.fromkeys(supply[p], -1.0)
+        row.update(dict.fromkeys(cols[i, finite[i]].tolist(), 1.0))
         m.row(0.0, 0.0, row)
-    return paid
+    pi, qj = np.nonzero(finite & (times > 0.0))
+    pairs = [(id(srcs[i]), id(dsts[j])) for i, j in zip(pi.tolist(), qj.tolist(), strict=True)]
+    return _Paid(cols[pi, qj].tolist(), pairs, times[pi, qj].tolist())
 
 
-def _charge_moves(m: _Model, edges: list[dict[tuple[Placements, Placements], tuple[int, float]]],
-                  copies: int) -> None:
+def _charge_moves(m: _Model, edges: list[_Paid], copies: int) -> None:
     """One producer's moves, paid once per (p, q) however many of its edges make it:
     with one edge the cost sits on e; with several, on g[p,q] >= e[k,p,q] for each edge k."""
     if len(edges) == 1:
-        for e, c in edges[0].values():
+        for e, c in zip(edges[0].cols, edges[0].seconds, strict=True):
             m.cost[e] += copies * c
         return
-    by_move: dict[tuple[Placements, Placements], list[tuple[int, float]]] = defaultdict(list)
+    by_move: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
     for paid in edges:
-        for pq, ec in paid.items():
-            by_move[pq].append(ec)
+        for pq, e, c in zip(paid.pairs, paid.cols, paid.seconds, strict=True):
+            by_move[pq].append((e, c))
     for ecs in by_move.values():
         if len(ecs) == 1:
             m.cost[ecs[0][0]] += copies * ecs[0][1]
@@ -318,14 +335,17 @@ def _charge_moves(m: _Model, edges: list[dict[tuple[Placements, Placements], tup
 def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],
                   clus: Clustering, costs: PlannerCosts, memory: MemoryModel) -> tuple[dict[int, float], int]:
     """Memory-row coefficients, and the smallest value the row can take (the fully-sharded floor)."""
-    terms: dict[int, float] = defaultdict(float)
-    floor = 0
+    held: dict[tuple[fx.Node, float], list[fx.Node]] = defaultdict(list)  # copies of one value
     for n in traced.gm.graph.nodes:
         per_byte = memory.bytes_per_byte(traced, n)
-        if not per_byte:
-            continue
-        supply = _supply(ns, xs, clus, n)
-        sizes = {p: local_bytes(n.meta["val"], p, costs.mesh_shape) * per_byte for p in supply}
+        if per_byte:
+            held[(clus.rep[n], per_byte)].append(n)
+    terms: dict[int, float] = defaultdict(float)
+    floor = 0
+    for (_, per_byte), nodes in held.items():
+        supply = _supply(ns, xs, clus, nodes[0])
+        sizes = {p: local_bytes(nodes[0].meta["val"], p, costs.mesh_shape) * per_byte * len(nodes)
+                 for p in supply}
         for p, vs in supply.items():
             for v in vs:
                 terms[v] += sizes[p]

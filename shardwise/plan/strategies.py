@@ -415,6 +415,7 @@ def _enumerate(gm, mesh, placeholder_filter, rep) -> dict[fx.Node, NodeStrategie
     mesh_shape = tuple(mesh.shape)
     result: dict[fx.Node, NodeStrategies] = {}
     choices: dict[fx.Node, list[Placements]] = {}
+    asked: dict[tuple, tuple[list[Strategy], bool]] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
@@ -439,7 +440,7 @@ def _enumerate(gm, mesh, placeholder_filter, rep) -> dict[fx.Node, NodeStrategie
             parent_rep = rep.get(parent, parent) if rep is not None else parent
             ns.strategies = [Strategy((s.output[idx],), ()) for s in result[parent_rep].strategies]
         elif node.op == "call_function":
-            ns.strategies = _node_strategies(node, choices, mesh, ns)
+            ns.strategies = _node_strategies(node, choices, mesh, ns, asked)
             _make_follower(ns, choices)
         if isinstance(val, torch.Tensor):
             choices[node] = ns.output_choices()
@@ -467,13 +468,43 @@ def _make_follower(ns: NodeStrategies, choices: dict[fx.Node, list[Placements]])
 
 
 def _node_strategies(node: fx.Node, choices: dict[fx.Node, list[Placements]], mesh: DeviceMesh,
-                     ns: NodeStrategies) -> list[Strategy]:
+                     ns: NodeStrategies, cache: dict[tuple, tuple[list[Strategy], bool]]) -> list[Strategy]:
+    """The node's strategies, asked once per distinct question (op, arguments' shapes and
+    choices): a layer's forward and backward repeat the same elementwise ops many times."""
     mesh_shape = tuple(mesh.shape)
     targs = tensor_args(node)
     # An input whose representative comes later in the graph (clustered copies can interleave
     # near layer boundaries) has no choices yet: offer it every placement; edges price the rest.
-    choices = {**choices, **{a: placeholder_choices(a.meta["val"], mesh_shape)
-                             for a in targs if a not in choices}}
+    choices = {a: choices[a] if a in choices else placeholder_choices(a.meta["val"], mesh_shape)
+               for a in targs}
+    key = _question(node, choices)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = _ask(node, choices, mesh, targs)
+    found, ns.fallback = hit
+    return list(found)
+
+
+def _question(node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> tuple:
+    """What a node's strategies depend on: op, outputs, and each argument (a tensor by shape,
+    strides, dtype and the placements its producer offers)."""
+    def leaf(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return (tuple(v.shape), v.stride(), v.dtype, tuple(choices[a]))
+            return ("value", repr(v))
+        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
+
+    args, spec = tree_flatten((node.args, node.kwargs))
+    outs = tuple((tuple(v.shape), v.dtype) if v is not None else None for v in _out_vals(node))
+    return (node.target, str(spec), tuple(leaf(a) for a in args), outs)
+
+
+def _ask(node: fx.Node, choices: dict[fx.Node, list[Placements]], mesh: DeviceMesh,
+         targs: list[fx.Node]) -> tuple[list[Strategy], bool]:
+    """(strategies, fell back to replicated) from our rules or DTensor's."""
+    mesh_shape = tuple(mesh.shape)
     in_shapes = [tuple(a.meta["val"].shape) for a in targs]
     out_shapes = [tuple(v.shape) if v is not None else None for v in _out_vals(node)]
     found: list[Strategy] | None = None
@@ -489,9 +520,9 @@ def _node_strategies(node: fx.Node, choices: dict[fx.Node, list[Placements]], me
         found = [_without_mask_partials(node, s) for s in found if _mask_partial_dims(s) <= 1]
         found = [s for s in dict.fromkeys(found) if _valid(s, out_shapes, in_shapes, mesh_shape)]
     if not found:
-        ns.fallback = bool(targs)  # factory ops (no tensor inputs) are simply replicated
-        return [_replicated(node, len(mesh_shape))]
-    return found
+        # factory ops (no tensor inputs) are simply replicated; others fall back, and say so
+        return [_replicated(node, len(mesh_shape))], bool(targs)
+    return found, False
 
 
 def flat_tensor_vals(node: fx.Node) -> list[torch.Tensor]:
