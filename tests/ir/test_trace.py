@@ -213,3 +213,20 @@ def test_layers_with_different_attention_types_are_not_stamped(tmp_path, monkeyp
     monkeypatch.setattr(stamp, "trace_stacked", refuse)
     traced = trace_model(f"hf:{path}", layers=3, train=False)
     assert traced.outputs
+
+
+def test_node_lookup_follows_graph_rewrites():
+    tr = trace_model("llama-tiny", layers=1)
+    loss = tr.node(tr.loss)
+    victim = next(n for n in tr.gm.graph.nodes if n.op == "call_function" and n.users and n is not loss)
+    name = victim.name
+    assert tr.node(name) is victim
+    with tr.gm.graph.inserting_after(victim):
+        clone = tr.gm.graph.call_function(torch.ops.aten.clone.default, (victim,))
+    victim.replace_all_uses_with(clone, delete_user_cb=lambda u: u is not clone)
+    assert tr.node(clone.name) is clone  # a node the index did not hold yet
+    clone.replace_all_uses_with(victim)
+    tr.gm.graph.erase_node(clone)
+    with pytest.raises(KeyError):
+        tr.node(clone.name)  # an erased node is not found
+    assert tr.node(name) is victim
