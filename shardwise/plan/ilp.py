@@ -15,11 +15,14 @@ At integral x exactly one y and one z are 1, so the cheapest feasible e is 1 on 
 with infinite cost have no e, so the rows forbid them.
 
 Objective (seconds per step)
-  sum_r copies(r) sum_s t_compute(r,s) x[r,s] + sum_G copies(G) sum_{p,q} c(p,q) g[G,p,q]
+  sum_r copies(r) sum_s t_compute(r,s) x[r,s] + sum_G copies(G) sum_q t[G,q]
 A value moved to a placement serves every consumer that reads it there (the lowering moves it
 once), so moves are paid per producer: producer copies with the same outgoing edges form a
-group G, and g[G,p,q] >= e[k,p,q] for each of its edges k (with one edge, e carries the cost).
-copies() counts the graph nodes a clustered representative stands for.
+group G, and t[G,q] >= sum_p c(p,q) e[k,p,q] for each of its edges k. At integral x each edge
+uses one pair, so t[G,q] is the cost of moving the value to q when some edge needs q, and 0
+otherwise. (One row per edge and q; a variable per (p, q) with a row per edge would be as
+exact, with a tighter relaxation but ~20x the rows and a slower LP.) With one edge, e carries
+the cost. copies() counts the graph nodes a clustered representative stands for.
 
 Sinks: a parameter's gradient is an edge into the parameter's own placement (that edge is the
 gradient synchronisation: all_reduce for DDP, reduce_scatter for FSDP); the loss is an edge into
@@ -313,23 +316,24 @@ def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Place
 
 
 def _charge_moves(m: _Model, edges: list[_Paid], copies: int) -> None:
-    """One producer's moves, paid once per (p, q) however many of its edges make it:
-    with one edge the cost sits on e; with several, on g[p,q] >= e[k,p,q] for each edge k."""
+    """One producer's moves, each placement it is moved to paid once however many of its edges
+    need it there: with one edge the cost sits on e; with several, on t[q] (see module doc)."""
     if len(edges) == 1:
         for e, c in zip(edges[0].cols, edges[0].seconds, strict=True):
             m.cost[e] += copies * c
         return
-    by_move: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
-    for paid in edges:
-        for pq, e, c in zip(paid.pairs, paid.cols, paid.seconds, strict=True):
-            by_move[pq].append((e, c))
-    for ecs in by_move.values():
-        if len(ecs) == 1:
-            m.cost[ecs[0][0]] += copies * ecs[0][1]
+    by_q: dict[int, dict[int, dict[int, float]]] = defaultdict(dict)  # q -> edge -> {e: cost}
+    for k, paid in enumerate(edges):
+        for (_, q), e, c in zip(paid.pairs, paid.cols, paid.seconds, strict=True):
+            by_q[q].setdefault(k, {})[e] = c / OBJECTIVE_UNIT_S
+    for per_edge in by_q.values():
+        if len(per_edge) == 1:
+            for e, c in next(iter(per_edge.values())).items():
+                m.cost[e] += copies * c * OBJECTIVE_UNIT_S
             continue
-        g = m.var(copies * ecs[0][1], integer=False)
-        for e, _ in ecs:
-            m.row(-math.inf, 0.0, {e: 1.0, g: -1.0})
+        t = m.var(copies * OBJECTIVE_UNIT_S, ub=math.inf, integer=False)  # in objective units
+        for terms in per_edge.values():
+            m.row(-math.inf, 0.0, {**terms, t: -1.0})
 
 
 def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],
