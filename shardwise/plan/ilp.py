@@ -20,9 +20,10 @@ A value moved to a placement serves every consumer that reads it there (the lowe
 once), so moves are paid per producer: producer copies with the same outgoing edges form a
 group G, and t[G,q] >= sum_p c(p,q) e[k,p,q] for each of its edges k. At integral x each edge
 uses one pair, so t[G,q] is the cost of moving the value to q when some edge needs q, and 0
-otherwise. (One row per edge and q; a variable per (p, q) with a row per edge would be as
-exact, with a tighter relaxation but ~20x the rows and a slower LP.) With one edge, e carries
-the cost. copies() counts the graph nodes a clustered representative stands for.
+otherwise. (A variable per (p, q) with a row per edge, g[G,p,q] >= e[k,p,q], is as exact with a
+tighter relaxation, but on llama3-8b over 8x8 it takes 60k rows instead of 16k and its LP is
+~1.5x slower, for the same optimum.) With one edge, e carries the cost. copies() counts the
+graph nodes a clustered representative stands for.
 
 Sinks: a parameter's gradient is an edge into the parameter's own placement (that edge is the
 gradient synchronisation: all_reduce for DDP, reduce_scatter for FSDP); the loss is an edge into
@@ -322,18 +323,19 @@ def _charge_moves(m: _Model, edges: list[_Paid], copies: int) -> None:
         for e, c in zip(edges[0].cols, edges[0].seconds, strict=True):
             m.cost[e] += copies * c
         return
-    by_q: dict[int, dict[int, dict[int, float]]] = defaultdict(dict)  # q -> edge -> {e: cost}
+    by_q: dict[int, dict[int, dict[int, float]]] = defaultdict(dict)  # q -> edge -> {e: seconds}
     for k, paid in enumerate(edges):
         for (_, q), e, c in zip(paid.pairs, paid.cols, paid.seconds, strict=True):
-            by_q[q].setdefault(k, {})[e] = c / OBJECTIVE_UNIT_S
+            by_q[q].setdefault(k, {})[e] = c
     for per_edge in by_q.values():
-        if len(per_edge) == 1:
+        if len(per_edge) == 1:  # one edge needs q: it pays
             for e, c in next(iter(per_edge.values())).items():
-                m.cost[e] += copies * c * OBJECTIVE_UNIT_S
+                m.cost[e] += copies * c
             continue
-        t = m.var(copies * OBJECTIVE_UNIT_S, ub=math.inf, integer=False)  # in objective units
+        # t counts microseconds, so the rows' coefficients are not down at HiGHS's tolerances.
+        t = m.var(copies * OBJECTIVE_UNIT_S, ub=math.inf, integer=False)
         for terms in per_edge.values():
-            m.row(-math.inf, 0.0, {**terms, t: -1.0})
+            m.row(-math.inf, 0.0, {**{e: c / OBJECTIVE_UNIT_S for e, c in terms.items()}, t: -1.0})
 
 
 def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],
