@@ -302,7 +302,8 @@ def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Place
     srcs, dsts = list(supply), list(demand)
     finite = np.isfinite(times)
     cols = np.full(times.shape, -1, dtype=np.int64)
-    cols[finite] = m.vars(int(finite.sum())) + np.arange(int(finite.sum()))
+    n = int(finite.sum())
+    cols[finite] = m.vars(n) + np.arange(n)
     for j, q in enumerate(dsts):
         row = dict.fromkeys(demand[q], -1.0)
         row.update(dict.fromkeys(cols[finite[:, j], j].tolist(), 1.0))
