@@ -3,7 +3,8 @@
 Each case runs in its own Python process (its peak RSS is its own): trace + canonicalise, then
 the auto plan. Targets (issue 4, on a 2-core machine): 2-layer 8B <= 3 s, 32-layer 8B <= 10 s,
 80-layer 70B <= 20 s in total, peak RSS <= 4 GiB. The figure to beat side by side is PyTorch
-autoparallel's 62-69 s (2 layers) and 153-171 s (32 layers) on such a machine (figures.md).
+autoparallel's 62-69 s (2 layers) and 153-171 s (32 layers) on such a machine (figures.md), which
+the table prints next to ours with the speed-up (``faster_x``).
 
     .venv/bin/python benchmarks/plan.py [--json] [--cases llama3-8b:2,llama3-8b:32,llama3-70b:80]
 """
@@ -17,11 +18,12 @@ import subprocess
 import sys
 import time
 
-# (model, layers, batch, seq, target total seconds)
+# (model, layers, batch, seq, target total seconds, autoparallel's total seconds on a 2-core
+# machine like this one (figures.md; None where it was not measured))
 CASES = {
-    "llama3-8b:2": ("llama3-8b", 2, 16, 8192, 3.0),
-    "llama3-8b:32": ("llama3-8b", 32, 16, 8192, 10.0),
-    "llama3-70b:80": ("llama3-70b", 80, 16, 4096, 20.0),
+    "llama3-8b:2": ("llama3-8b", 2, 16, 8192, 3.0, (62.0, 69.0)),
+    "llama3-8b:32": ("llama3-8b", 32, 16, 8192, 10.0, (153.0, 171.0)),
+    "llama3-70b:80": ("llama3-70b", 80, 16, 4096, 20.0, None),
 }
 RSS_TARGET_GIB = 4.0
 GIB = 2**30
@@ -68,13 +70,16 @@ def main() -> None:
             continue
         row = json.loads(out.stdout.strip().splitlines()[-1])
         row["target_s"] = CASES[key][4]
+        ref = CASES[key][5]
+        row["autoparallel_s"] = f"{ref[0]:.0f}-{ref[1]:.0f}" if ref else "-"
+        row["faster_x"] = f"{ref[0] / row['total_s']:.1f}-{ref[1] / row['total_s']:.1f}" if ref else "-"
         rows.append(row)
         if args.json:
             print(json.dumps(row))
     if args.json:
         return
     cols = ("model", "layers", "trace_s", "strategies_s", "ilp_build_s", "solve_s", "total_s", "target_s",
-            "variables", "constraints", "status", "step_s", "peak_rss_gib")
+            "autoparallel_s", "faster_x", "variables", "constraints", "status", "step_s", "peak_rss_gib")
     print(" ".join(f"{c:>12}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]:>12.2f}" if isinstance(r[c], float) else f"{r[c]!s:>12}" for c in cols))
