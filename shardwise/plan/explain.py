@@ -6,14 +6,17 @@ every strategy it could have run, everything else held as planned:
 - compute: the node's roofline time on the strategy's local shapes;
 - communication: moving each input from its producer's planned placement to what the strategy
   reads, and moving the output to what each consumer reads (for a parameter, also its
-  gradient's synchronisation into the parameter's placement);
+  gradient's synchronisation into the parameter's placement), each value moved to a placement
+  once, as the ILP and the lowering do: an input move the plan already makes for another reader
+  costs nothing more, and consumers reading the output in one placement share one move;
 - memory: for a parameter, its local bytes with gradient and optimizer state (training); for an
   activation the backward reads, its local bytes.
 
 This is a neighbourhood view: the ILP chose the whole assignment at once, so an alternative that
 looks cheaper here would force other nodes to change (which is why it was not taken); one that
-looks dearer shows what the choice saves. A value moved once for several consumers is charged
-per consumer here.
+looks dearer shows what the choice saves. Each alternative's communication is exactly what it
+adds to the plan's, so with everything else held, the plan's step time changes by the difference
+between an alternative's ``time_s`` and the chosen one's.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
 from shardwise.plan.costs import PlannerCosts, local_bytes
-from shardwise.plan.ilp import MemoryModel
+from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, MemoryModel
 from shardwise.plan.placement import Placements, placements_str
 from shardwise.plan.plan import Plan, tensor_args
+from shardwise.plan.planner import destination, edges
 from shardwise.plan.strategies import Strategy, enumerate_strategies
 
 
@@ -72,14 +76,20 @@ def explain(traced: Traced, plan: Plan, name: str, *, memory: MemoryModel | None
     costs = PlannerCosts(mesh.shape, get_hardware(plan.hardware))
     per_byte = (memory or MemoryModel()).bytes_per_byte(traced, node)
     chosen = plan.nodes[node.name]
+    touching = [(u, v, j) for u, v, j in edges(traced) if node in (u, v)]
+    inputs = {u for u, _, _ in touching if u is not node}
+    # Moves of the node's inputs the plan makes for other readers anyway.
+    paid = {(u, destination(plan, v, j)) for u, v, j in edges(traced) if u in inputs and v is not node}
     alts = []
     for s in _strategies(node, mesh):
         out = s.output[0]
-        moves = [(plan.nodes[u.name].output[0], want, u) for u, want in zip(tensor_args(node), s.inputs,
-                                                                            strict=False)]
-        moves += [(out if src is None else src, out if dst is None else dst, v)
-                  for src, dst, v in _moves_out(traced, plan, node, mesh)]
-        comm = sum(costs.reshard(src, dst, v.meta["val"]).time_s for src, dst, v in moves)
+        moves: dict[tuple[fx.Node, Placements], Placements] = {}  # (value, to) -> from
+        for u, v, j in touching:
+            src = out if u is node else plan.nodes[u.name].output[0]
+            dst = destination(plan, v, j) if v is not node else _read_by(s, j, mesh)
+            if src != dst and (u, dst) not in paid:
+                moves[(u, dst)] = src
+        comm = sum(costs.reshard(src, dst, u.meta["val"]).time_s for (u, dst), src in moves.items())
         alts.append(Alternative(out, s.inputs, costs.compute_time(node, s), comm,
                                 int(local_bytes(node.meta["val"], out, mesh.shape) * per_byte),
                                 s.output == chosen.output and s.inputs == chosen.inputs))
@@ -101,7 +111,7 @@ def _strategies(node: fx.Node, mesh: Mesh) -> list[Strategy]:
     enumeration on a graph of the node alone."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for a in [node] if node.op == "placeholder" else tensor_args(node):
+    for a in dict.fromkeys([node] if node.op == "placeholder" else tensor_args(node)):  # x * x: one input
         env[a] = g.placeholder(a.name)
         env[a].meta["val"] = a.meta["val"]
     alone = env[node] if node.op == "placeholder" else g.node_copy(node, lambda a: env.get(a, a))
@@ -109,18 +119,10 @@ def _strategies(node: fx.Node, mesh: Mesh) -> list[Strategy]:
     return enumerate_strategies(fx.GraphModule(torch.nn.Module(), g), mesh.device_mesh())[alone].strategies
 
 
-def _moves_out(traced: Traced, plan: Plan, node: fx.Node, mesh: Mesh) -> list[tuple]:
-    """(src, dst, value node) moves out of ``node`` under the plan; None stands for the
-    alternative's own output placement."""
-    out: list[tuple] = []
-    for u in node.users:
-        spec = plan.nodes.get(u.name)
-        if u.op == "call_function" and spec is not None and node in tensor_args(u):
-            out.append((None, spec.inputs[tensor_args(u).index(node)], node))
-    grads = {traced.params[p]: g for p, g in traced.grads.items()}
-    if node.name in grads:  # the gradient's synchronisation into the parameter's placement
-        g = traced.node(grads[node.name])
-        out.append((plan.nodes[g.name].output[0], None, g))
-    if traced.loss == node.name:
-        out.append((None, (Replicate(),) * mesh.ndim, node))
-    return out
+def _read_by(s: Strategy, j: int, mesh: Mesh) -> Placements:
+    """The placement strategy ``s`` of a node reads along its edge ``j`` (sinks included)."""
+    if j == GRAD_SINK:
+        return s.output[0]  # the parameter's gradient is synchronised into the parameter's placement
+    if j == LOSS_SINK:
+        return (Replicate(),) * mesh.ndim
+    return s.inputs[j]

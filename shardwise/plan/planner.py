@@ -177,7 +177,7 @@ def _output_placements(traced: Traced, plan: Plan, mesh: Mesh) -> list[Placement
     return result
 
 
-def _edges(traced: Traced):
+def edges(traced: Traced):
     """Every (producer, consumer, argument index) the plan prices, sinks included."""
     for v in traced.gm.graph.nodes:
         if v.op == "call_function" and not (v.target.__name__ == "getitem"):
@@ -188,6 +188,15 @@ def _edges(traced: Traced):
     if traced.loss is not None:
         loss = traced.node(traced.loss)
         yield loss, loss, LOSS_SINK
+
+
+def destination(plan: Plan, v: fx.Node, j: int) -> Placements:
+    """The placement edge (., v, j) reads its value in under ``plan``."""
+    if j == GRAD_SINK:
+        return plan.nodes[v.name].output[0]  # a gradient is synchronised into its parameter's placement
+    if j == LOSS_SINK:
+        return (Replicate(),) * len(plan.mesh_shape)
+    return plan.nodes[v.name].inputs[j]
 
 
 def estimate(traced: Traced, plan: Plan, costs: PlannerCosts | None = None,
@@ -205,14 +214,8 @@ def estimate(traced: Traced, plan: Plan, costs: PlannerCosts | None = None,
         if spec is not None and n.op == "call_function":
             est.compute_s += costs.compute_time(n, Strategy(spec.output, spec.inputs))
     moved: set[tuple[str, Placements]] = set()  # a value moves to a placement once
-    for u, v, j in _edges(traced):
-        src = plan.nodes[u.name].output[0]
-        if j == GRAD_SINK:
-            dst = plan.nodes[v.name].output[0]
-        elif j == LOSS_SINK:
-            dst = (Replicate(),) * len(mesh_shape)
-        else:
-            dst = plan.nodes[v.name].inputs[j]
+    for u, v, j in edges(traced):
+        src, dst = plan.nodes[u.name].output[0], destination(plan, v, j)
         if src == dst or (u.name, dst) in moved:
             continue
         moved.add((u.name, dst))
