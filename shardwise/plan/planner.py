@@ -26,7 +26,7 @@ from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, MemoryModel, chosen_strategy, solve
 from shardwise.plan.placement import Placements, on_mesh
 from shardwise.plan.plan import CollectiveCount, Estimate, NodeSpec, Plan, graph_fingerprint, tensor_args
-from shardwise.plan.strategies import NodeStrategies, enumerate_strategies
+from shardwise.plan.strategies import NodeStrategies, Strategy, enumerate_strategies
 
 log = logging.getLogger(__name__)
 # Memory kept free for the framework, allocator fragmentation and communication buffers.
@@ -202,8 +202,6 @@ def destination(plan: Plan, v: fx.Node, j: int) -> Placements:
 def estimate(traced: Traced, plan: Plan, costs: PlannerCosts | None = None,
              memory: MemoryModel | None = None) -> Estimate:
     """Price ``plan`` node by node: compute, communication, memory; fills plan.collectives."""
-    from shardwise.plan.strategies import Strategy
-
     costs = costs or PlannerCosts(tuple(plan.mesh_shape), get_hardware(plan.hardware))
     memory = memory or MemoryModel()
     mesh_shape = tuple(plan.mesh_shape)
