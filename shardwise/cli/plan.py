@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-baselines", action="store_true", help="skip planning the hand-written baselines")
     p.add_argument("--no-cluster", action="store_true", help="plan every layer separately")
     p.add_argument("--constrain", action="append", default=[], metavar="NAME=PLACEMENTS",
-                   help="fix a parameter's (or input's) placement, e.g. output.weight=S(0),R; repeatable")
+                   help="fix a parameter's, an input's or (inference) an output's placement, e.g. "
+                        "output.weight=S(0),R or output:0=S(2),R; repeatable")
     p.add_argument("--explain", action="append", default=[], metavar="PARAM_OR_NODE",
                    help="also show what each alternative placement of this parameter or node would "
                         "cost, the rest of the plan fixed; repeatable")
@@ -39,11 +40,12 @@ def add_mesh_options(p: argparse.ArgumentParser, default: str = "8x8") -> None:
 
 
 def parse_constraints(items: list[str], traced, mesh_ndim: int):
-    """``NAME=S(0),R`` pairs into planner Constraints (parameters by name, inputs by placeholder)."""
+    """``NAME=S(0),R`` pairs into planner Constraints: parameters by name, inputs by placeholder,
+    outputs as ``output`` (the first) or ``output:K``."""
     from shardwise.plan import Constraints
     from shardwise.plan.placement import parse_placements
 
-    params, inputs = {}, {}
+    params, inputs, outputs = {}, {}, {}
     for item in items:
         name, sep, rhs = item.partition("=")
         if not sep:
@@ -54,9 +56,14 @@ def parse_constraints(items: list[str], traced, mesh_ndim: int):
             raise UserError(f"constraint {item!r} gives {len(ps)} placements for a {mesh_ndim}-dim mesh.")
         if name in traced.inputs:
             inputs[name] = ps
+        elif name == "output" or name.startswith("output:"):
+            index = name.partition(":")[2] or "0"
+            if not index.isdigit():
+                raise UserError(f"constraint {item!r} names no output; write output:K for the K-th (from 0).")
+            outputs[int(index)] = ps
         else:
             params[name] = ps
-    return Constraints(params, inputs)
+    return Constraints(params, inputs, outputs)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
@@ -24,7 +24,7 @@ from shardwise.plan.baselines import BaselineSpec, baseline_spec, node_filter, t
 from shardwise.plan.cluster import Clustering, cluster, no_clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, MemoryModel, chosen_strategy, solve
-from shardwise.plan.placement import Placements, on_mesh
+from shardwise.plan.placement import Placements, on_mesh, placements_str
 from shardwise.plan.plan import CollectiveCount, Estimate, NodeSpec, Plan, graph_fingerprint, tensor_args
 from shardwise.plan.strategies import NodeStrategies, Strategy, enumerate_strategies
 
@@ -35,10 +35,13 @@ MEMORY_RESERVE_FRACTION = 0.1
 
 @dataclass(frozen=True)
 class Constraints:
-    """User constraints: parameter name (or input/output placeholder name) -> placements."""
+    """User constraints: placements by parameter name, by input placeholder name, and (inference)
+    by output position. A training step's outputs are the loss (always replicated) and the
+    gradients (placed as their parameters): constrain the parameters instead."""
 
     params: dict[str, Placements]
     inputs: dict[str, Placements]
+    outputs: dict[int, Placements] = field(default_factory=dict)
 
 
 def default_budget(mesh: Mesh) -> float:
@@ -75,6 +78,8 @@ def make_plan(
         return None
     if not traced.train:
         _no_partial_outputs(traced, ns, clus)
+    if constraints is not None and constraints.outputs:
+        _constrain_outputs(traced, ns, clus, constraints.outputs, mesh)
     for n, st in ns.items():
         if n.op == "placeholder" and not st.strategies:
             raise UserError(f"no placement of {n.name} fits the constraints on mesh {mesh}.")
@@ -150,15 +155,43 @@ def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: 
     return allowed
 
 
+def _keep_output_strategies(ns: dict[fx.Node, NodeStrategies], clus: Clustering, node: fx.Node,
+                            keep) -> bool:
+    """Keep only the strategies of ``node`` (through its representative, or its parent for a
+    tuple element) whose placement of it passes ``keep``; False (nothing changed) if none does."""
+    r = clus.rep[node]
+    st, index = ns[r], 0
+    if st.alias_of is not None:
+        parent, index = st.alias_of
+        st = ns[clus.rep[parent]]
+    kept = [s for s in st.strategies if keep(s.output[index])]
+    if not kept:
+        return False
+    if len(kept) < len(st.strategies):
+        st.strategies, st.follows = kept, None
+    return True
+
+
 def _no_partial_outputs(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering) -> None:
     """Inference outputs are delivered whole or sharded, never as pending sums."""
     for name in traced.outputs:
-        r = clus.rep[traced.node(name)]
-        st = ns[r]
-        if st.alias_of is None:
-            kept = [s for s in st.strategies if not any(isinstance(p, Partial) for p in s.output[0])]
-            if kept and len(kept) < len(st.strategies):
-                st.strategies, st.follows = kept, None
+        _keep_output_strategies(ns, clus, traced.node(name),
+                                lambda ps: not any(isinstance(p, Partial) for p in ps))
+
+
+def _constrain_outputs(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
+                       wanted: dict[int, Placements], mesh: Mesh) -> None:
+    if traced.train:
+        raise UserError("a training step's outputs are its loss (replicated) and gradients (placed as "
+                        "their parameters); constrain the parameters instead.")
+    for i, ps in wanted.items():
+        if not 0 <= i < len(traced.outputs):
+            raise UserError(f"the constraint names output {i}; the model has {len(traced.outputs)} "
+                            f"output(s), numbered from 0.")
+        want = on_mesh(ps, mesh.shape)
+        if not _keep_output_strategies(ns, clus, traced.node(traced.outputs[i]), want.__eq__):
+            raise UserError(f"no plan delivers output {i} as {placements_str(want)} on mesh {mesh} "
+                            f"(it must divide evenly and cannot be a pending sum).")
 
 
 def _output_placements(traced: Traced, plan: Plan, mesh: Mesh) -> list[Placements]:

@@ -61,6 +61,7 @@ def plan_summary(plan: Plan) -> dict:
         "estimate": {"compute_s": plan.estimate.compute_s, "comm_s": plan.estimate.comm_s,
                      "total_s": plan.estimate.total_s},
         "params": {k: placements_str(v) for k, v in plan.params.items()},
+        "outputs": [placements_str(p) for p in plan.outputs],
         "memory_per_device_bytes": plan.estimate.memory_bytes,
         "collectives": {k: {"count": v.count, "bytes": v.bytes} for k, v in plan.collectives.items()},
         "fallback_ops": plan.fallback_ops,

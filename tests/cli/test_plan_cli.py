@@ -16,7 +16,7 @@ from shardwise.ir.trace import trace
 from shardwise.mesh import Mesh
 from shardwise.plan import Plan, make_plan
 
-JSON_KEYS = {"status", "objective_s", "mip_gap", "timings", "ilp", "baselines", "params",
+JSON_KEYS = {"status", "objective_s", "mip_gap", "timings", "ilp", "baselines", "params", "outputs",
              "memory_per_device_bytes", "collectives", "fallback_ops", "estimate"}
 TINY = ["--model", "llama-tiny", "--layers", "1", "--batch", "8", "--seq", "32"]
 
@@ -44,7 +44,23 @@ def test_constraint_is_honoured(capsys):
     assert json.loads(capsys.readouterr().out)["params"]["output.weight"] == ["S(1)"]
 
 
+def test_an_inference_output_constraint_is_honoured(capsys):
+    base = ["plan", *TINY, "--inference", "--mesh", "2x2", "--json", "--no-baselines"]
+    assert main(base) == 0
+    free = json.loads(capsys.readouterr().out)
+    want = ["R", "S(2)"]
+    assert free["outputs"] != [want]
+    assert main([*base, "--constrain", f"output={','.join(want)}"]) == 0
+    held = json.loads(capsys.readouterr().out)
+    assert held["outputs"] == [want]
+    assert held["objective_s"] >= free["objective_s"] * (1 - 1e-9)
+
+
 @pytest.mark.parametrize("argv, needle", [
+    (["--mesh", "2", "--inference", "--constrain", "output:3=R"], "1 output(s)"),
+    (["--mesh", "2", "--inference", "--constrain", "output:x=R"], "names no output"),
+    (["--mesh", "2", "--inference", "--constrain", "output=P"], "no plan delivers output 0"),
+    (["--mesh", "2", "--constrain", "output=R"], "constrain the parameters instead"),
     (["--mesh", "8x"], "malformed"),
     (["--mesh", "0x8"], "size 0"),
     (["--mesh", "2x2", "--mesh-names", "dp"], "do not match"),
