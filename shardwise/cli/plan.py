@@ -1,8 +1,8 @@
 """``shardwise plan``: the auto plan for a model on a mesh, with the hand-written baselines.
 
     shardwise plan --model llama3-8b --mesh 8x8 [--mesh-names dp,tp] [--hardware h100]
-        [--memory 80GiB] [--batch B --seq S] [--inference] [--time-limit S] [--save plan.json] [--json]
-        [--explain PARAM_OR_NODE ...]
+        [--memory 80GiB] [--optimizer adam] [--batch B --seq S] [--inference] [--time-limit S]
+        [--save plan.json] [--json] [--constrain NAME=PLACEMENTS ...] [--explain PARAM_OR_NODE ...]
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_mesh_options(p)
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB (default: "
                    "the hardware's memory less a reserve)")
+    p.add_argument("--optimizer", default="adam",
+                   help="optimizer whose state counts in training memory: adam (default), adamw, "
+                        "sgd-momentum or sgd")
     p.add_argument("--time-limit", type=float, default=180.0, help="solver time limit in seconds")
     p.add_argument("--save", default=None, help="write the plan as JSON to this path")
     p.add_argument("--no-baselines", action="store_true", help="skip planning the hand-written baselines")
@@ -74,10 +77,13 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.passes.pipeline import canonicalize
     from shardwise.plan import BASELINES, make_plan
     from shardwise.plan.explain import explain
+    from shardwise.plan.ilp import OPTIMIZER_STATE_BYTES, MemoryModel
     from shardwise.plan.report import plan_summary
 
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
     get_hardware(args.hardware)  # fail early on an unknown spec
+    if args.optimizer not in OPTIMIZER_STATE_BYTES:
+        raise UserError(f"unknown optimizer {args.optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}.")
     budget = parse_bytes(args.memory) if args.memory else None
     t0 = time.perf_counter()
     traced = trace_model(args.model, train=not args.inference, layers=args.layers, batch=args.batch,
@@ -88,8 +94,9 @@ def run(args: argparse.Namespace) -> dict:
     for name in args.explain:  # fail before the solve on a name the model does not have
         if name not in traced.params and name not in {n.name for n in traced.gm.graph.nodes}:
             raise UserError(f"--explain {name!r} is neither a parameter nor a node of the traced graph.")
+    memory = MemoryModel(optimizer_state_bytes=OPTIMIZER_STATE_BYTES[args.optimizer])
     plan = make_plan(traced, mesh, memory_budget=budget, clustering=not args.no_cluster,
-                     time_limit_s=args.time_limit, constraints=constraints)
+                     time_limit_s=args.time_limit, constraints=constraints, memory=memory)
     if plan.status == "infeasible":
         floor = plan.info.get("min_memory_bytes")
         raise UserError(f"no plan fits {plan.info['memory_budget_bytes'] / 2**30:.2f} GiB per device; the "
@@ -99,7 +106,7 @@ def run(args: argparse.Namespace) -> dict:
     if not args.no_baselines:
         for name in BASELINES:
             b = make_plan(traced, mesh, baseline=name, memory_budget=budget,
-                          clustering=not args.no_cluster, time_limit_s=args.time_limit)
+                          clustering=not args.no_cluster, time_limit_s=args.time_limit, memory=memory)
             baselines[name] = b.estimate.total_s if b is not None and b.status != "infeasible" else None
     if args.save:
         plan.save(args.save)
@@ -111,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
     out["ilp"] = {k: plan.info["ilp"][k] for k in ("variables", "constraints", "clusters")}
     out["baselines"] = baselines
     if args.explain:
-        out["explain"] = {name: explain(traced, plan, name).to_json() for name in args.explain}
+        out["explain"] = {name: explain(traced, plan, name, memory=memory).to_json() for name in args.explain}
     if not args.json:
         _print_report(traced, plan, out, mesh)
     return out

@@ -67,11 +67,16 @@ OBJECTIVE_UNIT_S = 1e-6
 MEMORY_UNIT_BYTES = 2**30
 
 
+# Optimizer state per parameter element, in bytes: Adam/AdamW keep two fp32 moments, SGD with
+# momentum one fp32 buffer, plain SGD none.
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """Bytes a parameter element costs beyond itself and its gradient (Adam: two fp32 moments)."""
 
-    optimizer_state_bytes: int = 8
+    optimizer_state_bytes: int = OPTIMIZER_STATE_BYTES["adam"]
     include_activations: bool = True
 
     def bytes_per_byte(self, traced: Traced, node: fx.Node) -> float:

@@ -106,7 +106,7 @@ def make_plan(
     plan.params = {p: plan.nodes[ph].output[0] for p, ph in traced.params.items()}
     plan.outputs = _output_placements(traced, plan, mesh)
     plan.fallback_ops = sorted({str(n.target) for n, st in ns.items() if st.fallback})
-    estimate(traced, plan, costs)
+    estimate(traced, plan, costs, memory)
     timings["total_s"] = time.perf_counter() - t0
     plan.info = {
         "objective_s": res.objective_s, "timings": timings, "memory_budget_bytes": budget,

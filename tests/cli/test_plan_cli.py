@@ -56,7 +56,17 @@ def test_an_inference_output_constraint_is_honoured(capsys):
     assert held["objective_s"] >= free["objective_s"] * (1 - 1e-9)
 
 
+def test_the_optimizer_state_counts_in_memory(capsys):
+    out = {}
+    for opt in ("adam", "sgd"):
+        assert main(["plan", *TINY, "--mesh", "2", "--json", "--no-baselines", "--optimizer", opt]) == 0
+        out[opt] = json.loads(capsys.readouterr().out)
+    assert out["sgd"]["memory_per_device_bytes"] < out["adam"]["memory_per_device_bytes"]
+    assert out["sgd"]["objective_s"] <= out["adam"]["objective_s"] * (1 + 1e-9)  # less to fit, never dearer
+
+
 @pytest.mark.parametrize("argv, needle", [
+    (["--mesh", "2", "--optimizer", "lion"], "unknown optimizer 'lion'"),
     (["--mesh", "2", "--inference", "--constrain", "output:3=R"], "1 output(s)"),
     (["--mesh", "2", "--inference", "--constrain", "output:x=R"], "names no output"),
     (["--mesh", "2", "--inference", "--constrain", "output=P"], "no plan delivers output 0"),
