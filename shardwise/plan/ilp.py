@@ -29,9 +29,10 @@ Sinks: a parameter's gradient is an edge into the parameter's own placement (tha
 gradient synchronisation: all_reduce for DDP, reduce_scatter for FSDP); the loss is an edge into
 Replicate.
 
-Memory per device (training), <= budget:
+Memory per device, <= budget. Training:
   sum_params copies * sum_s x * local_numel(s) * (param + grad + optimizer-state bytes)
   + sum_{forward nodes read by backward} copies * sum_s x * local_bytes(out(s))
+Inference: the parameters' local bytes (a replicated 70B model does not fit an 80 GB device).
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         _charge_moves(m, [moves[k] for k in keys], n)
 
     min_mem = None
-    if memory_budget is not None and traced.train:
+    if memory_budget is not None:
         mem_terms, min_mem = _memory_terms(traced, ns, xs, clus, costs, memory)
         m.row(-math.inf, float(memory_budget) / MEMORY_UNIT_BYTES,
               {v: b / MEMORY_UNIT_BYTES for v, b in mem_terms.items()})

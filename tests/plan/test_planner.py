@@ -93,6 +93,19 @@ def test_memory_budget_binds(tiny2):
     assert impossible.info["min_memory_bytes"] > 1000
 
 
+def test_inference_weights_count_against_the_budget():
+    tr = trace_model("llama-tiny", train=False, layers=2, batch=8, seq=64)
+    canonicalize(tr)
+    weights = sum(tr.node(ph).meta["val"].nbytes for ph in tr.params.values())
+    free = make_plan(tr, MESH)
+    assert free.estimate.memory_bytes > weights * 0.7  # the unconstrained plan would not fit
+    tight = make_plan(tr, MESH, memory_budget=weights * 0.7)
+    assert tight.status == "optimal" and tight.estimate.memory_bytes <= weights * 0.7
+    assert tight.info["objective_s"] >= free.info["objective_s"] * (1 - 1e-9)
+    impossible = make_plan(tr, MESH, memory_budget=weights * 0.4)  # less than half: not even fully sharded
+    assert impossible.status == "infeasible" and impossible.info["min_memory_bytes"] > weights * 0.4
+
+
 def test_constraints(tiny2):
     want = (Shard(0),)
     plan = make_plan(tiny2, MESH, constraints=Constraints({"output.weight": want}, {}))
