@@ -8,7 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from shardwise.cli import add_model_options
 from shardwise.errors import UserError
@@ -70,6 +73,18 @@ def parse_constraints(items: list[str], traced, mesh_ndim: int):
 
 
 def run(args: argparse.Namespace) -> dict:
+    # Planning a big model takes a minute or more: show what it is doing (on a terminal only,
+    # and never with --json, whose stdout is one object).
+    with progress(enabled=not args.json and sys.stderr.isatty()) as say:
+        traced, plan, mesh, out = _plan(args, say)
+    if not args.json:
+        _print_report(traced, plan, out, mesh)
+    return out
+
+
+def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
+    """The auto plan, its baselines and explanations; (traced, plan, mesh, JSON summary)."""
+    say(f"tracing {args.model}")
     from shardwise.cost.hardware import get_hardware
     from shardwise.cost.units import parse_bytes
     from shardwise.ir.trace import trace_model
@@ -96,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
             raise UserError(f"--explain {name!r} is neither a parameter nor a node of the traced graph.")
     memory = MemoryModel(optimizer_state_bytes=OPTIMIZER_STATE_BYTES[args.optimizer])
     plan = make_plan(traced, mesh, memory_budget=budget, clustering=not args.no_cluster,
-                     time_limit_s=args.time_limit, constraints=constraints, memory=memory)
+                     time_limit_s=args.time_limit, constraints=constraints, memory=memory, on_phase=say)
     if plan.status == "infeasible":
         floor = plan.info.get("min_memory_bytes")
         raise UserError(f"no plan fits {plan.info['memory_budget_bytes'] / 2**30:.2f} GiB per device; the "
@@ -105,6 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     baselines: dict[str, float | None] = {}
     if not args.no_baselines:
         for name in BASELINES:
+            say(f"pricing the {name} baseline")
             b = make_plan(traced, mesh, baseline=name, memory_budget=budget,
                           clustering=not args.no_cluster, time_limit_s=args.time_limit, memory=memory)
             baselines[name] = b.estimate.total_s if b is not None and b.status != "infeasible" else None
@@ -118,10 +134,25 @@ def run(args: argparse.Namespace) -> dict:
     out["ilp"] = {k: plan.info["ilp"][k] for k in ("variables", "constraints", "clusters")}
     out["baselines"] = baselines
     if args.explain:
+        say("explaining " + ", ".join(args.explain))
         out["explain"] = {name: explain(traced, plan, name, memory=memory).to_json() for name in args.explain}
-    if not args.json:
-        _print_report(traced, plan, out, mesh)
-    return out
+    return traced, plan, mesh, out
+
+
+@contextmanager
+def progress(*, enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A spinner with the current step and the time spent, on stderr; yields the function that
+    names the step (a no-op when disabled)."""
+    if not enabled:
+        yield lambda _step: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("")
+        yield lambda step: bar.update(task, description=step)
 
 
 def _print_report(traced, plan, out: dict, mesh) -> None:

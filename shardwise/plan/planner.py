@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -58,8 +59,11 @@ def make_plan(
     clustering: bool = True,
     time_limit_s: float = 60.0,
     memory: MemoryModel | None = None,
+    on_phase: Callable[[str], None] | None = None,
 ) -> Plan | None:
-    """Plan ``traced`` over ``mesh``. Returns None when ``baseline`` does not apply to this mesh."""
+    """Plan ``traced`` over ``mesh``. Returns None when ``baseline`` does not apply to this mesh.
+    ``on_phase`` is told what the planner is doing (for progress displays)."""
+    say = on_phase or (lambda _phase: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     spec: BaselineSpec | None = None
@@ -72,6 +76,7 @@ def make_plan(
     timings["cluster_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
+    say("enumerating strategies")
     allowed = _placeholder_filter(traced, spec, constraints, mesh)
     ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
     if spec is not None and not _fix_baseline_choices(spec, traced, ns, mesh, clus):
@@ -86,6 +91,7 @@ def make_plan(
     timings["strategies_s"] = time.perf_counter() - t
 
     costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
+    say(f"solving the placement ILP (limit {time_limit_s:g} s)")
     res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s)
     timings["ilp_build_s"] = res.build_s
     timings["solve_s"] = res.solve_s

@@ -38,6 +38,19 @@ def test_json_report_with_baselines_and_saved_plan(capsys, tmp_path):
     assert {k: [str(p) for p in v] for k, v in out["params"].items()}.keys() == plan.params.keys()
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_progress_on_a_terminal_but_never_with_json(capsys, monkeypatch, as_json):
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert main(["plan", *TINY, "--mesh", "2", *(["--json"] if as_json else [])]) == 0
+    cap = capsys.readouterr()
+    steps = ("tracing llama-tiny", "enumerating strategies", "solving the placement ILP",
+             "pricing the fsdp baseline")
+    if as_json:
+        assert cap.err == "" and json.loads(cap.out)["status"] == "optimal"
+    else:
+        assert all(step in cap.err for step in steps) and "ILP:" in cap.out
+
+
 def test_constraint_is_honoured(capsys):
     assert main(["plan", *TINY, "--mesh", "2", "--json", "--no-baselines",
                  "--constrain", "output.weight=S(1)"]) == 0

@@ -106,6 +106,12 @@ def test_inference_weights_count_against_the_budget():
     assert impossible.status == "infeasible" and impossible.info["min_memory_bytes"] > weights * 0.4
 
 
+def test_the_planner_reports_its_phases(tiny2):
+    phases = []
+    make_plan(tiny2, MESH, on_phase=phases.append)
+    assert [p.split()[0] for p in phases] == ["enumerating", "solving"]
+
+
 def test_constraints(tiny2):
     want = (Shard(0),)
     plan = make_plan(tiny2, MESH, constraints=Constraints({"output.weight": want}, {}))
