@@ -25,17 +25,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
-from torch.distributed.tensor import Replicate
 
 from shardwise.cost.hardware import get_hardware
 from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
 from shardwise.plan.costs import PlannerCosts, local_bytes
-from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, MemoryModel
+from shardwise.plan.ilp import MemoryModel
 from shardwise.plan.placement import Placements, placements_str
 from shardwise.plan.plan import Plan, tensor_args
-from shardwise.plan.planner import destination, edges
+from shardwise.plan.planner import destination, edges, read_in
 from shardwise.plan.strategies import Strategy, enumerate_strategies
 
 
@@ -86,7 +85,7 @@ def explain(traced: Traced, plan: Plan, name: str, *, memory: MemoryModel | None
         moves: dict[tuple[fx.Node, Placements], Placements] = {}  # (value, to) -> from
         for u, v, j in touching:
             src = out if u is node else plan.nodes[u.name].output[0]
-            dst = destination(plan, v, j) if v is not node else _read_by(s, j, mesh)
+            dst = destination(plan, v, j) if v is not node else read_in(out, s.inputs, j, mesh.ndim)
             if src != dst and (u, dst) not in paid:
                 moves[(u, dst)] = src
         comm = sum(costs.reshard(src, dst, u.meta["val"]).time_s for (u, dst), src in moves.items())
@@ -117,12 +116,3 @@ def _strategies(node: fx.Node, mesh: Mesh) -> list[Strategy]:
     alone = env[node] if node.op == "placeholder" else g.node_copy(node, lambda a: env.get(a, a))
     g.output(alone)
     return enumerate_strategies(fx.GraphModule(torch.nn.Module(), g), mesh.device_mesh())[alone].strategies
-
-
-def _read_by(s: Strategy, j: int, mesh: Mesh) -> Placements:
-    """The placement strategy ``s`` of a node reads along its edge ``j`` (sinks included)."""
-    if j == GRAD_SINK:
-        return s.output[0]  # the parameter's gradient is synchronised into the parameter's placement
-    if j == LOSS_SINK:
-        return (Replicate(),) * mesh.ndim
-    return s.inputs[j]

@@ -162,7 +162,7 @@ def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: 
 
 
 def _keep_output_strategies(ns: dict[fx.Node, NodeStrategies], clus: Clustering, node: fx.Node,
-                            keep) -> bool:
+                            keep: Callable[[Placements], bool]) -> bool:
     """Keep only the strategies of ``node`` (through its representative, or its parent for a
     tuple element) whose placement of it passes ``keep``; False (nothing changed) if none does."""
     r = clus.rep[node]
@@ -187,6 +187,7 @@ def _no_partial_outputs(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus:
 
 def _constrain_outputs(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
                        wanted: dict[int, Placements], mesh: Mesh) -> None:
+    """Output ``i`` (inference) delivered in ``wanted[i]``: its producer keeps only such strategies."""
     if traced.train:
         raise UserError("a training step's outputs are its loss (replicated) and gradients (placed as "
                         "their parameters); constrain the parameters instead.")
@@ -231,11 +232,17 @@ def edges(traced: Traced):
 
 def destination(plan: Plan, v: fx.Node, j: int) -> Placements:
     """The placement edge (., v, j) reads its value in under ``plan``."""
+    spec = plan.nodes[v.name]
+    return read_in(spec.output[0], spec.inputs, j, len(plan.mesh_shape))
+
+
+def read_in(output: Placements, inputs: tuple, j: int, mesh_ndim: int) -> Placements:
+    """The placement a node placed ``output`` and reading ``inputs`` needs along its edge ``j``."""
     if j == GRAD_SINK:
-        return plan.nodes[v.name].output[0]  # a gradient is synchronised into its parameter's placement
+        return output  # a gradient is synchronised into its parameter's placement
     if j == LOSS_SINK:
-        return (Replicate(),) * len(plan.mesh_shape)
-    return plan.nodes[v.name].inputs[j]
+        return (Replicate(),) * mesh_ndim
+    return inputs[j]
 
 
 def estimate(traced: Traced, plan: Plan, costs: PlannerCosts | None = None,
