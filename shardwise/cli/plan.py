@@ -93,6 +93,7 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     from shardwise.plan import BASELINES, make_plan
     from shardwise.plan.explain import explain
     from shardwise.plan.ilp import OPTIMIZER_STATE_BYTES, MemoryModel
+    from shardwise.plan.planner import NO_PLAN, no_plan_reason
     from shardwise.plan.report import plan_summary
 
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
@@ -112,18 +113,15 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     memory = MemoryModel(optimizer_state_bytes=OPTIMIZER_STATE_BYTES[args.optimizer])
     plan = make_plan(traced, mesh, memory_budget=budget, clustering=not args.no_cluster,
                      time_limit_s=args.time_limit, constraints=constraints, memory=memory, on_phase=say)
-    if plan.status == "infeasible":
-        floor = plan.info.get("min_memory_bytes")
-        raise UserError(f"no plan fits {plan.info['memory_budget_bytes'] / 2**30:.2f} GiB per device; the "
-                        f"fully-sharded minimum is {floor / 2**30:.2f} GiB" if floor else
-                        "no plan fits the memory budget.")
+    if plan.status in NO_PLAN:
+        raise UserError(no_plan_reason(plan))
     baselines: dict[str, float | None] = {}
     if not args.no_baselines:
         for name in BASELINES:
             say(f"pricing the {name} baseline")
             b = make_plan(traced, mesh, baseline=name, memory_budget=budget,
                           clustering=not args.no_cluster, time_limit_s=args.time_limit, memory=memory)
-            baselines[name] = b.estimate.total_s if b is not None and b.status != "infeasible" else None
+            baselines[name] = b.estimate.total_s if b is not None and b.status not in NO_PLAN else None
     if args.save:
         plan.save(args.save)
     timings = plan.info["timings"]
@@ -162,7 +160,8 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
     from shardwise.plan.report import describe_param
 
     con = Console()
-    con.print(f"[bold]{traced.model_name}[/] on {mesh} {mesh.hardware}: {plan.status}, "
+    status = plan.status if plan.status == "optimal" else f"{plan.status} (MIP gap {plan.mip_gap:.2%})"
+    con.print(f"[bold]{traced.model_name}[/] on {mesh} {mesh.hardware}: {status}, "
               f"step {plan.estimate.total_s * 1e3:.2f} ms (compute {plan.estimate.compute_s * 1e3:.2f} ms, "
               f"communication {plan.estimate.comm_s * 1e3:.2f} ms), "
               f"{plan.estimate.memory_bytes / 2**30:.2f} GiB per device")
@@ -173,6 +172,8 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
     for name in list(traced.params)[:12]:
         t.add_row(name, ", ".join(out["params"][name]), describe_param(traced, plan, name))
     con.print(t)
+    if not traced.train:
+        con.print("outputs: " + "; ".join(",".join(p) for p in out["outputs"]))
     c = Table(title="collectives per step")
     for col in ("kind", "count", "GiB"):
         c.add_column(col)

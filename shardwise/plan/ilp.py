@@ -96,7 +96,7 @@ class MemoryModel:
 
 @dataclass
 class IlpResult:
-    status: str  # "optimal" | "feasible" | "infeasible"
+    status: str  # "optimal" | "feasible" | "infeasible" | "unsolved" (time limit, no plan found yet)
     objective_s: float
     mip_gap: float
     choice: dict[fx.Node, int]  # representative -> strategy index
@@ -292,7 +292,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     elif has_solution:
         label = "feasible"
     else:
-        return IlpResult("infeasible", math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem)
+        label = "infeasible" if status == highspy.HighsModelStatus.kInfeasible else "unsolved"
+        return IlpResult(label, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem)
     sol = np.asarray(h.getSolution().col_value)
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
     return IlpResult(label, float(info.objective_function_value) * OBJECTIVE_UNIT_S, float(info.mip_gap),

@@ -18,6 +18,7 @@ from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
 from shardwise.cost.hardware import get_hardware
+from shardwise.cost.units import format_bytes
 from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
@@ -32,6 +33,9 @@ from shardwise.plan.strategies import NodeStrategies, Strategy, enumerate_strate
 log = logging.getLogger(__name__)
 # Memory kept free for the framework, allocator fragmentation and communication buffers.
 MEMORY_RESERVE_FRACTION = 0.1
+# Plan statuses that come without placements: no plan fits the memory budget, or the solver's
+# time ran out before it found one.
+NO_PLAN = ("infeasible", "unsolved")
 
 
 @dataclass(frozen=True)
@@ -95,12 +99,12 @@ def make_plan(
     res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s)
     timings["ilp_build_s"] = res.build_s
     timings["solve_s"] = res.solve_s
-    if res.status == "infeasible":
-        floor = res.min_memory_bytes
+    if res.status in NO_PLAN:
         plan = Plan(name=baseline or "auto", model=traced.model_name, mesh_shape=mesh.shape,
                     mesh_names=mesh.names, hardware=mesh.hardware, train=traced.train,
-                    fingerprint=graph_fingerprint(traced.gm), nodes={}, status="infeasible")
-        plan.info = {"memory_budget_bytes": budget, "min_memory_bytes": floor, "timings": timings}
+                    fingerprint=graph_fingerprint(traced.gm), nodes={}, status=res.status)
+        plan.info = {"memory_budget_bytes": budget, "min_memory_bytes": res.min_memory_bytes,
+                     "time_limit_s": time_limit_s, "timings": timings}
         return plan
     specs = {n: chosen_strategy(ns, clus, res.choice, n) for n in traced.gm.graph.nodes if n.op != "output"}
     plan = Plan(
@@ -122,6 +126,17 @@ def make_plan(
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
     return plan
+
+
+def no_plan_reason(plan: Plan) -> str:
+    """One sentence on why ``plan`` (whose status is in NO_PLAN) has no placements."""
+    if plan.status == "unsolved":
+        return (f"the solver found no plan within its {plan.info['time_limit_s']:g} s time limit; "
+                "give it more time (--time-limit).")
+    budget, floor = format_bytes(plan.info["memory_budget_bytes"]), plan.info.get("min_memory_bytes")
+    least = "the fully-sharded minimum is" if plan.name == "auto" else f"the {plan.name} plan needs at least"
+    return (f"no plan fits {budget} per device; {least} {format_bytes(floor)}." if floor
+            else f"no plan fits {budget} per device.")
 
 
 def _fix_baseline_choices(spec: BaselineSpec, traced: Traced, ns: dict[fx.Node, NodeStrategies],

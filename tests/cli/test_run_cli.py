@@ -87,6 +87,13 @@ def test_plan_file_for_another_model_is_refused(capsys, tmp_path):
     assert "made for model 'llama3-8b', not 'llama-tiny'" in err
 
 
+def test_a_plan_that_does_not_fit_is_refused_before_running(capsys):
+    """DDP keeps all of llama3-8b with its Adam state on every rank: it cannot fit an H100."""
+    err = _error(capsys, "--model", "llama3-8b", "--batch", "4", "--seq", "128", "--mesh", "2x2",
+                 "--plan", "ddp")
+    assert "--plan ddp: no plan fits" in err and "the ddp plan needs at least" in err
+
+
 def test_unknown_plan_and_pass_are_refused(capsys):
     assert "neither one of auto" in _error(capsys, *TINY, "--plan", "zero3")
     assert "unknown pass 'fuse_all'" in _error(capsys, *TINY, "--passes", "fuse_all")
