@@ -98,6 +98,8 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
 
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
     get_hardware(args.hardware)  # fail early on an unknown spec
+    if not args.time_limit > 0:
+        raise UserError(f"--time-limit must be a positive number of seconds, got {args.time_limit:g}.")
     if args.optimizer not in OPTIMIZER_STATE_BYTES:
         raise UserError(f"unknown optimizer {args.optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}.")
     budget = parse_bytes(args.memory) if args.memory else None

@@ -80,7 +80,8 @@ def test_the_optimizer_state_counts_in_memory(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--mesh", "2", "--optimizer", "lion"], "unknown optimizer 'lion'"),
-    (["--mesh", "2", "--time-limit", "0", "--no-baselines"], "no plan within its 0 s time limit"),
+    (["--mesh", "2", "--time-limit", "-1"], "--time-limit must be a positive number of seconds, got -1"),
+    (["--mesh", "2", "--time-limit", "1e-9", "--no-baselines"], "no plan within its 1e-09 s time limit"),
     (["--mesh", "2", "--inference", "--constrain", "output:3=R"], "1 output(s)"),
     (["--mesh", "2", "--inference", "--constrain", "output:x=R"], "names no output"),
     (["--mesh", "2", "--inference", "--constrain", "output=P"], "no plan delivers output 0"),
