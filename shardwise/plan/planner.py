@@ -133,10 +133,13 @@ def no_plan_reason(plan: Plan) -> str:
     if plan.status == "unsolved":
         return (f"the solver found no plan within its {plan.info['time_limit_s']:g} s time limit; "
                 "give it more time (--time-limit).")
-    budget, floor = format_bytes(plan.info["memory_budget_bytes"]), plan.info.get("min_memory_bytes")
+    budget, floor = plan.info["memory_budget_bytes"], plan.info["min_memory_bytes"]
+    if floor <= budget:  # each value could shrink enough, but not all together
+        return (f"no plan fits {format_bytes(budget)} per device: values whose placements are tied to one "
+                f"another (or constrained) cannot all be sharded as far as the floor of "
+                f"{format_bytes(floor)} assumes.")
     least = "the fully-sharded minimum is" if plan.name == "auto" else f"the {plan.name} plan needs at least"
-    return (f"no plan fits {budget} per device; {least} {format_bytes(floor)}." if floor
-            else f"no plan fits {budget} per device.")
+    return f"no plan fits {format_bytes(budget)} per device; {least} {format_bytes(floor)}."
 
 
 def _fix_baseline_choices(spec: BaselineSpec, traced: Traced, ns: dict[fx.Node, NodeStrategies],

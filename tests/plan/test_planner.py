@@ -13,6 +13,7 @@ from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import BASELINES, Constraints, Plan, estimate, make_plan
 from shardwise.plan.cluster import cluster
+from shardwise.plan.planner import no_plan_reason
 
 MESH = Mesh((2,), hardware="h100")
 
@@ -104,6 +105,19 @@ def test_inference_weights_count_against_the_budget():
     assert tight.info["objective_s"] >= free.info["objective_s"] * (1 - 1e-9)
     impossible = make_plan(tr, MESH, memory_budget=weights * 0.4)  # less than half: not even fully sharded
     assert impossible.status == "infeasible" and impossible.info["min_memory_bytes"] > weights * 0.4
+
+
+@pytest.mark.parametrize("status, name, floor, needle", [
+    ("unsolved", "auto", 10, "no plan within its 5 s time limit"),
+    ("infeasible", "auto", 2 * 2**30, "no plan fits 1 GiB per device; the fully-sharded minimum is 2 GiB"),
+    ("infeasible", "ddp", 2 * 2**30, "the ddp plan needs at least 2 GiB"),
+    ("infeasible", "auto", 2**29, "tied to one another"),  # the floor fits: the ties do not
+])
+def test_why_there_is_no_plan(status, name, floor, needle):
+    plan = Plan(name=name, model="m", mesh_shape=(2,), mesh_names=("dp",), hardware="h100", train=True,
+                fingerprint="", nodes={}, status=status)
+    plan.info = {"memory_budget_bytes": 2**30, "min_memory_bytes": floor, "time_limit_s": 5.0}
+    assert needle in no_plan_reason(plan)
 
 
 def test_the_planner_reports_its_phases(tiny2):
