@@ -31,7 +31,7 @@ def inference():
 
 @pytest.fixture(scope="module")
 def inference_8b():
-    """A plan with collectives (llama-tiny's best plan replicates everything)."""
+    """A plan with collectives (llama-tiny's best plan needs none)."""
     traced = trace_model("llama3-8b", train=False, layers=1, batch=2, seq=256)
     canonicalize(traced)
     return traced, make_plan(traced, MESH, clustering=False)
