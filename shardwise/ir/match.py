@@ -156,7 +156,6 @@ def mul_other(mul: fx.Node, one: fx.Node) -> fx.Node | None:
 # Collectives: torch.ops._c10d_functional ops and their wait_tensor.
 # ---------------------------------------------------------------------------------------------
 
-
 import enum  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 

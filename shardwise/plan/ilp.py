@@ -145,11 +145,11 @@ class _Model:
 
 @dataclass
 class _Paid:
-    """One edge's paid moves: each one's e variable, its (p, q) (by the interned placements'
-    ids) and its time in seconds."""
+    """One edge's paid moves: each one's e variable, its destination q (by the interned
+    placement's id) and its time in seconds."""
 
     cols: list[int]
-    pairs: list[tuple[int, int]]
+    dests: list[int]
     seconds: list[float]
 
 
@@ -320,8 +320,7 @@ def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Place
         row.update(dict.fromkeys(cols[i, finite[i]].tolist(), 1.0))
         m.row(0.0, 0.0, row)
     pi, qj = np.nonzero(finite & (times > 0.0))
-    pairs = [(id(srcs[i]), id(dsts[j])) for i, j in zip(pi.tolist(), qj.tolist(), strict=True)]
-    return _Paid(cols[pi, qj].tolist(), pairs, times[pi, qj].tolist())
+    return _Paid(cols[pi, qj].tolist(), [id(dsts[j]) for j in qj.tolist()], times[pi, qj].tolist())
 
 
 def _charge_moves(m: _Model, edges: list[_Paid], copies: int) -> None:
@@ -333,7 +332,7 @@ def _charge_moves(m: _Model, edges: list[_Paid], copies: int) -> None:
         return
     by_q: dict[int, dict[int, dict[int, float]]] = defaultdict(dict)  # q -> edge -> {e: seconds}
     for k, paid in enumerate(edges):
-        for (_, q), e, c in zip(paid.pairs, paid.cols, paid.seconds, strict=True):
+        for q, e, c in zip(paid.dests, paid.cols, paid.seconds, strict=True):
             by_q[q].setdefault(k, {})[e] = c
     for per_edge in by_q.values():
         if len(per_edge) == 1:  # one edge needs q: it pays
