@@ -119,6 +119,8 @@ PURE_NAMESPACES = frozenset({"aten", "prims"})
 PURE_SHARDWISE_OPS = frozenset({"rms_norm", "add_rms_norm", "add_rms_norm2"})
 # Tags of ops whose result is not a function of their inputs alone.
 UNSAFE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
+# The attention kernels' dropout probability (their schemas name it so).
+DROPOUT_ARG = "dropout_p"
 
 
 def _packet(node: fx.Node) -> object:
@@ -152,9 +154,23 @@ def is_mutating(node: fx.Node) -> bool:
 
 
 def is_random(node: fx.Node) -> bool:
-    """An op whose result depends on random state or is not bitwise reproducible."""
+    """An op whose result depends on random state or is not bitwise reproducible (attention is
+    tagged random for its dropout: with ``dropout_p == 0`` it is not)."""
     t = node.target
-    return isinstance(t, torch._ops.OpOverload) and any(tag in UNSAFE_TAGS for tag in t.tags)
+    if not isinstance(t, torch._ops.OpOverload) or not any(tag in UNSAFE_TAGS for tag in t.tags):
+        return False
+    return not (is_attention(node) and _arg(node, DROPOUT_ARG, 0.0) == 0.0)
+
+
+def _arg(node: fx.Node, name: str, default: object) -> object:
+    """The value of the schema argument ``name`` of an OpOverload call (its default if absent)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else (a.default_value if a.has_default_value()
+                                                               else default)
+    return default
 
 
 def is_uninitialised(node: fx.Node) -> bool:
@@ -274,18 +290,28 @@ def backward_start(gm: fx.GraphModule, fwd: set[fx.Node] | None = None) -> fx.No
     return None
 
 
-def spine(region: list[fx.Node], exit_node: fx.Node) -> set[fx.Node]:
-    """Nodes of ``region`` on the main chain to ``exit_node``: the post-dominator chain of the
-    deepest node that branches (has two forward readers), usually the embedding's output.
+def input_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    """The placeholders of the step's inputs (not its parameters). A joint graph returns
+    ``(loss, *grads)`` with one slot per parameter, and parameters are the first placeholders
+    (see ``ir/trace.py``); so the inputs are the placeholders after the first ``len(outputs) - 1``."""
+    out = _output(gm.graph)
+    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return placeholders[max(len(results) - 1, 0):]
+
+
+def spine(region: list[fx.Node], exit_node: fx.Node, sources: list[fx.Node]) -> set[fx.Node]:
+    """Nodes of ``region`` on the main chain to ``exit_node``: the longest post-dominator chain
+    from one of ``sources`` (the step's inputs): from the token ids, it is the embedding, the
+    residual stream, the head and the loss (placeholders themselves are not returned).
 
     A node ``d`` post-dominates ``n`` when every path from ``n`` to the exit passes through
     ``d``; the immediate post-dominator of ``n`` is the nearest common post-dominator of its
     users (computed in reverse topological order, walking up the tree by depth).
     """
-    members = {n for n in region if n.op not in ("placeholder", "get_attr")}
     reach: set[fx.Node] = {exit_node}
     for n in reversed(region):
-        if n in members and any(u in reach for u in n.users):
+        if n.op != "get_attr" and any(u in reach for u in n.users):
             reach.add(n)
     ipdom: dict[fx.Node, fx.Node | None] = {exit_node: None}
     depth: dict[fx.Node, int] = {exit_node: 0}
@@ -301,20 +327,20 @@ def spine(region: list[fx.Node], exit_node: fx.Node) -> set[fx.Node]:
     for n in reversed(region):
         if n not in reach or n is exit_node:
             continue
-        users = [u for u in n.users if u in reach and u in depth]
-        if not users:
-            continue
+        users = [u for u in n.users if u in depth]
         d = users[0]
         for u in users[1:]:
             d = lca(d, u)
         ipdom[n] = d
         depth[n] = depth[d] + 1
-    branching = [n for n in depth if sum(1 for u in n.users if u in depth) >= 2]
-    start = max(branching or list(depth), key=lambda n: depth[n])
+    starts = [s for s in sources if s in depth] or [n for n in depth if n.op == "placeholder"]
+    if not starts:
+        return {exit_node}
     chain: set[fx.Node] = set()
-    cur: fx.Node | None = start
+    cur: fx.Node | None = max(starts, key=lambda n: depth[n])
     while cur is not None:
-        chain.add(cur)
+        if cur.op != "placeholder":
+            chain.add(cur)
         cur = ipdom[cur]
     return chain
 
@@ -329,7 +355,8 @@ class RematPlan:
     """What a policy does to a graph: ``recompute`` lists the forward nodes copied into the
     backward (graph order), ``saved`` the forward values the backward still reads after the
     rewrite (graph order; placeholders and constants excluded: they are not activations).
-    ``reason`` says why nothing is recomputed when that is so."""
+    ``reason`` says why nothing is recomputed when that is so; ``start`` is the backward's first
+    node (None without a backward)."""
 
     policy: ACPolicy
     recompute: list[fx.Node] = field(default_factory=list)
@@ -417,7 +444,7 @@ def recompute_plan(gm: fx.GraphModule, policy: ACPolicy | str) -> RematPlan:
         plan.reason = "policy none"
         return plan
     exit_node = next(a for a in regions.start.all_input_nodes if a in regions.fwd and _is_scalar(a))
-    spine_nodes = spine(regions.forward, exit_node)
+    spine_nodes = spine(regions.forward, exit_node, input_placeholders(gm))
     kept = _kept_by_policy(policy, regions.forward, spine_nodes)
     ok = _recomputable(policy, regions.forward, kept, written_values(gm.graph))
     # The copies: every recomputable forward value a backward reader needs, and (recursively)
@@ -454,7 +481,8 @@ def _saved(regions: _Regions, recomputed: set[fx.Node], fset: set[fx.Node]) -> l
                 saved.add(a)
     for n in recomputed:
         saved.update(a for a in n.all_input_nodes if a not in recomputed)
-    return [n for n in regions.forward if n in saved and n.op not in ("placeholder", "get_attr")]
+    return [n for n in regions.forward
+            if n in saved and n.op not in ("placeholder", "get_attr") and has_tensor_value(n)]
 
 
 def saved_bytes(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> int:
