@@ -70,6 +70,8 @@ from shardwise.ir.meta import fake_value
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
+# ``node.meta`` key of a copy: the name of the forward node it recomputes (costing prices it).
+RECOMPUTED_FROM = "remat_source"
 
 
 class ACPolicy(enum.Enum):
@@ -485,6 +487,11 @@ def _saved(regions: _Regions, recomputed: set[fx.Node], fset: set[fx.Node]) -> l
             if n in saved and n.op not in ("placeholder", "get_attr") and has_tensor_value(n)]
 
 
+def recomputed_from(node: fx.Node) -> str | None:
+    """The forward node a copy made by this pass recomputes (None for any other node)."""
+    return node.meta.get(RECOMPUTED_FROM)
+
+
 def saved_bytes(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> int:
     """Bytes of the tensors ``nodes`` compute (their ``meta["val"]``; tuple nodes count each
     tensor; non-tensors count 0)."""
@@ -521,6 +528,7 @@ def _copy_chain(graph: fx.Graph, value: fx.Node, before: fx.Node, recompute: set
         with graph.inserting_before(before):
             c = graph.node_copy(n, lambda a: copies.get(a, a))
         c.meta = dict(n.meta)  # val, seq_nr, stack_trace...: the copy computes the same value
+        c.meta[RECOMPUTED_FROM] = n.name
         copies[n] = c
     return copies[value]
 
