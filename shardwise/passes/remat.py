@@ -24,13 +24,16 @@ value that is safe to recompute and that the backward reads is recomputed from t
 
 - ``none``: nothing is recomputed.
 - ``full``: keep each block's inputs only. The blocks are found on the graph, not by name: the
-  *spine* is the chain of nodes that post-dominate the residual stream (every path from it to
-  the loss passes through them: the residual adds entering each attention and MLP block, and
-  the head); the spine is kept, everything between two spine nodes is recomputed. A model
-  without residual connections is all spine: nothing to recompute.
+  *spine* is the chain of nodes that post-dominate the step's inputs (every path from the token
+  ids to the loss passes through them: the embedding, the residual adds, the head); a spine
+  node that closes a stretch holding an attention op is the middle of a transformer block
+  (``h + attention(h)``, read by the block's MLP) and is recomputed; the other spine nodes
+  (each layer's input, the head) are kept, everything else is recomputed. A model without
+  residual connections is all spine: nothing to recompute.
 - ``selective``: torchtitan's per-op policy (``torchtitan/models/llama3/infra/parallelize.py``,
-  ``_save_list``): keep the spine, every matmul output except every second one (counted in
-  forward order), attention outputs and reduce_scatter outputs; recompute the rest.
+  ``_save_list``): keep the block inputs, every matmul output except every second one (counted
+  from each block's input, as torchtitan counts per checkpointed block), attention outputs and
+  reduce_scatter outputs; recompute the rest.
 
 Collectives: an ``all_gather`` may be recomputed under both policies (that is what FSDP2's
 reshard-after-forward does: parameters are gathered again in the backward); ``full`` also
@@ -394,13 +397,37 @@ def _regions(gm: fx.GraphModule) -> _Regions | None:
     return _Regions(fwd, start, nodes[:i], [n for n in nodes[i:] if n.op != "output"])
 
 
+def block_inputs(spine_nodes: set[fx.Node], forward: list[fx.Node]) -> set[fx.Node]:
+    """The spine nodes that enter a block: all but those that close a stretch of the forward
+    holding an attention op (the residual add after attention, the middle of a transformer
+    block: its MLP reads it, and recomputes it from the block's input). Without attention ops
+    every spine node is a block input."""
+    attention = [i for i, n in enumerate(forward) if is_attention(n)]
+    out: set[fx.Node] = set()
+    prev = -1
+    for i, n in enumerate(forward):
+        if n not in spine_nodes:
+            continue
+        if not any(prev < a < i for a in attention):
+            out.add(n)
+        prev = i
+    return out
+
+
 def _kept_by_policy(policy: ACPolicy, forward: list[fx.Node], spine_nodes: set[fx.Node]) -> set[fx.Node]:
-    """Forward nodes the policy saves even though they could be recomputed."""
-    kept = set(spine_nodes)
+    """Forward nodes the policy saves even though they could be recomputed: the block inputs,
+    and under selective torchtitan's save list."""
+    kept = block_inputs(spine_nodes, forward)
     if policy is ACPolicy.SELECTIVE:
-        matmuls = [n for n in forward if is_matmul(n)]
-        # torchtitan counts matmuls and recomputes the 2nd, 4th, ...: keep indices 0, 2, 4...
-        kept.update(m for i, m in enumerate(matmuls) if i % 2 == 0)
+        # torchtitan counts a block's matmuls and recomputes the 2nd, 4th, ...: keep 1st, 3rd...
+        count = 0
+        for n in forward:
+            if n in kept:
+                count = 0  # a new block
+            if is_matmul(n):
+                if count % 2 == 0:
+                    kept.add(n)
+                count += 1
         kept.update(n for n in forward if is_attention(n))
     return kept
 

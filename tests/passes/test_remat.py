@@ -129,22 +129,27 @@ def test_none_changes_nothing(llama):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_full_keeps_two_residual_values_per_layer():
-    """Full keeps the spine: one more layer saves exactly its two residual-stream values (the
-    input of its attention block and of its MLP block), nothing else."""
+def test_full_keeps_one_residual_value_per_layer():
+    """Full keeps each layer's input: one more layer saves exactly one more value, of the
+    residual stream's shape; attention outputs and the residual between attention and MLP are
+    recomputed."""
     saved = {}
     for layers in (2, 3):
         gm = _canonical("llama-tiny", layers=layers).gm
         saved[layers] = remat.recompute_plan(gm, ACPolicy.FULL).saved
-    assert len(saved[3]) - len(saved[2]) == 2
+    assert len(saved[3]) - len(saved[2]) == 1
     residual = [n for n in saved[3] if n.target is aten.add.Tensor]
-    assert len(residual) == 2 * 3  # the first layer's input is the embedding, the last add feeds the head
-    assert len({tuple(n.meta["val"].shape) for n in residual}) == 1
+    assert len(residual) == 3  # the inputs of layers 1 and 2, and of the head
+    embedding = next(n for n in saved[3] if n.target is aten.embedding.default)  # layer 0's input
+    assert {tuple(n.meta["val"].shape) for n in residual} == {tuple(embedding.meta["val"].shape)}
     assert not any(n.args and isinstance(n.args[0], fx.Node) and remat.is_attention(n.args[0])
                    for n in saved[3])
 
 
-def test_selective_keeps_every_other_matmul_and_attention(llama):
+LLAMA_MATMULS_PER_LAYER = 7  # q, k, v, o, w1, w3, w2
+
+
+def test_selective_keeps_every_other_matmul_of_a_layer_and_attention(llama):
     gm = llama.gm
     plan = remat.recompute_plan(gm, ACPolicy.SELECTIVE)
     start = remat.backward_start(gm)
@@ -154,11 +159,15 @@ def test_selective_keeps_every_other_matmul_and_attention(llama):
             break
         if remat.is_matmul(n):
             matmuls.append(n)
+    assert len(matmuls) == 2 * LLAMA_MATMULS_PER_LAYER + 1  # and the head's
     recomputed = set(plan.recompute)
-    assert not any(m in recomputed for m in matmuls[0::2])
-    assert any(m in recomputed for m in matmuls[1::2])
-    attention = [n for n in matmuls[0].graph.nodes if remat.is_attention(n)]
-    assert attention and not any(a in recomputed for a in attention)
+    for layer in range(2):
+        own = matmuls[layer * LLAMA_MATMULS_PER_LAYER:(layer + 1) * LLAMA_MATMULS_PER_LAYER]
+        assert not recomputed & set(own[0::2])  # 1st, 3rd, ... kept (counted per layer)
+        assert recomputed & set(own[1::2])
+    assert matmuls[-1] not in recomputed
+    attention = [n for n in gm.graph.nodes if remat.is_attention(n)]
+    assert len(attention) == 2 and not any(a in recomputed for a in attention)
     # What the attention backward reads of the forward kernel: its output and logsumexp, saved.
     assert {u for a in attention for u in a.users} <= set(plan.saved)
 
