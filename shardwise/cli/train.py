@@ -102,18 +102,17 @@ def run(args: argparse.Namespace) -> dict:
     opts = _options(args)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
     check_batch(spec.batch, mesh)
-    if opts.resume:
-        path = checkpoint.latest(opts.resume)
-        meta = checkpoint.read_meta(path)
-        if meta.model != args.model:
-            raise UserError(f"checkpoint {str(path)!r} is of model {meta.model!r}, not {args.model!r}.")
-        if meta.step >= (opts.stop_at or opts.steps):
-            raise UserError(f"the checkpoint is at step {meta.step}, already past --steps "
-                            f"{opts.stop_at or opts.steps}; raise --steps to train on.")
     source = _source(args, spec, opts.save_dir)
     job = TrainJob(model=args.model, layers=args.layers, batch=spec.batch, seq=spec.seq, dtype=args.dtype,
                    mesh=mesh, plan=args.plan, passes=passes, source=source, options=opts,
                    backend=args.backend, time_limit_s=args.time_limit)
+    if opts.resume:
+        path = checkpoint.latest(opts.resume)
+        meta = checkpoint.read_meta(path)
+        checkpoint.check_compatible(meta, job.build(meta=True)[0], args.model, path)
+        if meta.step >= (opts.stop_at or opts.steps):
+            raise UserError(f"the checkpoint is at step {meta.step}, already past --steps "
+                            f"{opts.stop_at or opts.steps}; raise --steps to train on.")
     if under_torchrun():
         return _run_torchrun(args, job, t0)
     job.plan = _plan_here(args, job).to_json()  # planned once here; ranks lower it

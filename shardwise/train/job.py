@@ -49,6 +49,10 @@ class TrainJob:
         return build_model(self.model, layers=self.layers, batch=self.batch, seq=self.seq,
                            dtype=dtype or self.dtype, meta=meta)
 
+    def build_options(self) -> dict:
+        """What rebuilds this model (kept in checkpoints, for resume checks and export)."""
+        return {"layers": self.layers, "batch": self.batch, "seq": self.seq, "dtype": self.dtype}
+
     @property
     def tokens_per_step(self) -> int:
         return self.batch * self.seq
@@ -88,7 +92,7 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
         return loss.detach()
 
     def save(step: int) -> str:
-        return str(checkpoint.save(opts.save_dir, step, pm, opt, sched, job.model))
+        return str(checkpoint.save(opts.save_dir, step, pm, opt, sched, job.model, job.build_options()))
 
     def on_step(rec) -> None:
         if is_rank0():

@@ -45,7 +45,7 @@ from shardwise.ir.trace import Traced
 from shardwise.lower.spmd import Layout, SPMDProgram, lower_on
 from shardwise.mesh import Mesh
 from shardwise.plan.plan import Plan
-from shardwise.runtime.launch import retarget_device
+from shardwise.runtime.launch import real_constants, retarget_device
 
 # Standard deviation of the normal draw for matrices (embeddings and projections): the usual
 # transformer init (GPT-2, LLaMA reference code); vectors are norm scales (ones) or biases (zeros).
@@ -284,6 +284,9 @@ class ParallelModule(nn.Module):
         program = lower_on(traced, plan, self.device_mesh, rank=dist.get_rank(), device="cpu")
         program.apply_passes(list(self._state["passes"]))
         gm = program.gm
+        # Buffers (rotary tables...) were traced as fake constants: give them the module's values.
+        for name, value in real_constants(gm, module).items():
+            setattr(gm, name, value)
         retarget_device(gm, device)
         lays = program.param_layouts()
         names = list(traced.params)
