@@ -68,8 +68,9 @@ import torch
 from torch import fx
 
 from shardwise.errors import UserError
-from shardwise.ir.match import C10D_KINDS, CollectiveKind, is_getitem, is_wait
+from shardwise.ir.match import C10D_KINDS, CollectiveKind, input_closure, is_getitem, is_wait
 from shardwise.ir.meta import fake_value
+from shardwise.ir.trace import forward_nodes
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -259,26 +260,6 @@ def safe_to_recompute(node: fx.Node, written: set[fx.Node]) -> bool:
 
 def _output(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
-
-
-def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """The loss (the graph's first output) and everything it depends on, with the ``getitem``s of
-    forward tuple nodes (attention's logsumexp is read only by the backward)."""
-    out = _output(gm.graph)
-    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    loss = results[0] if results else None
-    fwd: set[fx.Node] = set()
-    stack = [loss] if isinstance(loss, fx.Node) else []
-    while stack:
-        n = stack.pop()
-        if n in fwd:
-            continue
-        fwd.add(n)
-        stack.extend(n.all_input_nodes)
-    for n in gm.graph.nodes:
-        if is_getitem(n) and n.args[0] in fwd:
-            fwd.add(n)
-    return fwd
 
 
 def backward_start(gm: fx.GraphModule, fwd: set[fx.Node] | None = None) -> fx.Node | None:
@@ -478,14 +459,7 @@ def recompute_plan(gm: fx.GraphModule, policy: ACPolicy | str) -> RematPlan:
     ok = _recomputable(policy, regions.forward, kept, written_values(gm.graph))
     # The copies: every recomputable forward value a backward reader needs, and (recursively)
     # its recomputable inputs.
-    need: set[fx.Node] = set()
-    stack = [a for r in readers for a in r.all_input_nodes if a in ok]
-    while stack:
-        n = stack.pop()
-        if n in need:
-            continue
-        need.add(n)
-        stack.extend(a for a in n.all_input_nodes if a in ok)
+    need = input_closure(readers, ok)
     plan.recompute = [n for n in regions.forward if n in need]
     plan.kept = kept
     plan.saved = _saved(regions, need, fset)
