@@ -493,14 +493,36 @@ def recomputed_from(node: fx.Node) -> str | None:
     return node.meta.get(RECOMPUTED_FROM)
 
 
+def _is_view_op(node: fx.Node) -> bool:
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+            and any(r.alias_info is not None for r in t._schema.returns))
+
+
+def alias_root(node: fx.Node) -> fx.Node:
+    """The node whose allocation ``node``'s value lives in: through view ops (``t``, ``view``,
+    ``detach``, a ``split``'s pieces...) to the first node that allocates."""
+    n = node
+    while True:
+        if is_getitem(n) and isinstance(n.args[0], fx.Node) and _is_view_op(n.args[0]):
+            n = n.args[0]
+        elif _is_view_op(n) and n.all_input_nodes:
+            n = n.all_input_nodes[0]
+        else:
+            return n
+
+
 def saved_bytes(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> int:
-    """Bytes of the tensors ``nodes`` compute (their ``meta["val"]``; tuple nodes count each
-    tensor; non-tensors count 0)."""
+    """Bytes the values of ``nodes`` keep alive (from their ``meta["val"]``): each allocation
+    once, however many views of it are listed; views of placeholders and constants (a
+    parameter's transpose) count 0, they live for the whole step anyway."""
+    roots = {alias_root(n) for n in nodes}
     total = 0
-    for n in nodes:
-        v = n.meta.get("val")
-        vals = v if isinstance(v, (tuple, list)) else (v,)
-        for t in vals:
+    for r in roots:
+        if r.op in ("placeholder", "get_attr"):
+            continue
+        v = r.meta.get("val")
+        for t in v if isinstance(v, (tuple, list)) else (v,):
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
