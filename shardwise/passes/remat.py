@@ -12,12 +12,11 @@ instead, so the forward originals die early::
       g  = mul(dy, r)         (backward)          r' = rsqrt(mean(h1^2))     (copy, just before g)
                                                   g  = mul(dy, r')
 
-Regions. The *backward* starts at the first gradient-carrying node: the seed of autograd, the
-first node outside the forward (the loss and its ancestors) that reads a 0-dim forward value
-(``ones_like(loss)``). Nodes before it form the forward region, nodes after it the backward
-region. Forward-region nodes the graph marks as backward (the ``detach`` of a value autograd
-saves) are forward values like any other; forward nodes after the seed (a lowered program
-delivers its loss last) are never rewritten.
+Regions (``ir/regions.py``). The *backward* starts at the seed of autograd (``ones_like(loss)``):
+nodes before it form the forward region, nodes after it the backward region. Forward-region
+nodes the graph marks as backward (the ``detach`` of a value autograd saves) are forward values
+like any other; forward nodes after the seed (a lowered program delivers its loss last) are
+never rewritten.
 
 Policies (``ACPolicy``), each a set of forward values that are kept (saved); every other forward
 value that is safe to recompute and that the backward reads is recomputed from the kept ones:
@@ -69,7 +68,14 @@ from torch import fx
 
 from shardwise.errors import UserError
 from shardwise.ir.match import C10D_KINDS, CollectiveKind, input_closure, is_getitem, is_wait
-from shardwise.ir.meta import fake_value
+from shardwise.ir.regions import (
+    alias_root,
+    backward_start,
+    input_placeholders,
+    is_scalar,
+    is_view_op,
+    spine,
+)
 from shardwise.ir.trace import forward_nodes
 
 log = logging.getLogger(__name__)
@@ -207,11 +213,9 @@ def has_tensor_value(node: fx.Node) -> bool:
     return isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v)
 
 
-def _is_view(node: fx.Node) -> bool:
-    t = node.target
-    if not isinstance(t, torch._ops.OpOverload):
-        return node.target is operator.getitem
-    return any(r.alias_info is not None for r in t._schema.returns)
+def _shares_memory(node: fx.Node) -> bool:
+    """A view op, or a ``getitem`` (an element of a tuple result)."""
+    return is_view_op(node) or node.target is operator.getitem
 
 
 def written_values(graph: fx.Graph) -> set[fx.Node]:
@@ -226,14 +230,14 @@ def written_values(graph: fx.Graph) -> set[fx.Node]:
     while changed:
         changed = False
         for n in graph.nodes:
-            if n in out or not _is_view(n):
+            if n in out or not _shares_memory(n):
                 continue
             base = n.all_input_nodes[:1]
             if base and base[0] in out:
                 out.add(n)
                 changed = True
         for n in list(out):
-            if _is_view(n) and n.all_input_nodes and n.all_input_nodes[0] not in out:
+            if _shares_memory(n) and n.all_input_nodes and n.all_input_nodes[0] not in out:
                 out.add(n.all_input_nodes[0])
                 changed = True
     return out
@@ -251,84 +255,6 @@ def safe_to_recompute(node: fx.Node, written: set[fx.Node]) -> bool:
     if collective_kind(node) is not None or is_wait(node):
         return True  # decided with the policy (pairing and kinds)
     return is_pure_op(node) and not is_random(node) and not is_uninitialised(node)
-
-
-# ---------------------------------------------------------------------------------------------
-# Regions and the spine.
-# ---------------------------------------------------------------------------------------------
-
-
-def _output(graph: fx.Graph) -> fx.Node:
-    return next(n for n in reversed(graph.nodes) if n.op == "output")
-
-
-def backward_start(gm: fx.GraphModule, fwd: set[fx.Node] | None = None) -> fx.Node | None:
-    """The seed of the backward: the first non-forward node that reads a 0-dim forward tensor
-    (``ones_like(loss)``); None when the graph has no backward (inference)."""
-    fwd = forward_nodes(gm) if fwd is None else fwd
-    for n in gm.graph.nodes:
-        if n in fwd or n.op in ("placeholder", "output", "get_attr"):
-            continue
-        for a in n.all_input_nodes:
-            v = fake_value(a)
-            if a in fwd and a.op != "placeholder" and v is not None and v.dim() == 0:
-                return n
-    return None
-
-
-def input_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
-    """The placeholders of the step's inputs (not its parameters). A joint graph returns
-    ``(loss, *grads)`` with one slot per parameter, and parameters are the first placeholders
-    (see ``ir/trace.py``); so the inputs are the placeholders after the first ``len(outputs) - 1``."""
-    out = _output(gm.graph)
-    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return placeholders[max(len(results) - 1, 0):]
-
-
-def spine(region: list[fx.Node], exit_node: fx.Node, sources: list[fx.Node]) -> set[fx.Node]:
-    """Nodes of ``region`` on the main chain to ``exit_node``: the longest post-dominator chain
-    from one of ``sources`` (the step's inputs): from the token ids, it is the embedding, the
-    residual stream, the head and the loss (placeholders themselves are not returned).
-
-    A node ``d`` post-dominates ``n`` when every path from ``n`` to the exit passes through
-    ``d``; the immediate post-dominator of ``n`` is the nearest common post-dominator of its
-    users (computed in reverse topological order, walking up the tree by depth).
-    """
-    reach: set[fx.Node] = {exit_node}
-    for n in reversed(region):
-        if n.op != "get_attr" and any(u in reach for u in n.users):
-            reach.add(n)
-    ipdom: dict[fx.Node, fx.Node | None] = {exit_node: None}
-    depth: dict[fx.Node, int] = {exit_node: 0}
-
-    def lca(a: fx.Node, b: fx.Node) -> fx.Node:
-        while a is not b:
-            if depth[a] >= depth[b]:
-                a = ipdom[a]
-            else:
-                b = ipdom[b]
-        return a
-
-    for n in reversed(region):
-        if n not in reach or n is exit_node:
-            continue
-        users = [u for u in n.users if u in depth]
-        d = users[0]
-        for u in users[1:]:
-            d = lca(d, u)
-        ipdom[n] = d
-        depth[n] = depth[d] + 1
-    starts = [s for s in sources if s in depth] or [n for n in depth if n.op == "placeholder"]
-    if not starts:
-        return {exit_node}
-    chain: set[fx.Node] = set()
-    cur: fx.Node | None = max(starts, key=lambda n: depth[n])
-    while cur is not None:
-        if cur.op != "placeholder":
-            chain.add(cur)
-        cur = ipdom[cur]
-    return chain
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +379,7 @@ def recompute_plan(gm: fx.GraphModule, policy: ACPolicy | str) -> RematPlan:
         plan.saved = _saved(regions, set(), fset)
         plan.reason = "policy none"
         return plan
-    exit_node = next(a for a in regions.start.all_input_nodes if a in regions.fwd and _is_scalar(a))
+    exit_node = next(a for a in regions.start.all_input_nodes if a in regions.fwd and is_scalar(a))
     spine_nodes = spine(regions.forward, exit_node, input_placeholders(gm))
     kept = _kept_by_policy(policy, regions.forward, spine_nodes)
     ok = _recomputable(policy, regions.forward, kept, written_values(gm.graph))
@@ -466,11 +392,6 @@ def recompute_plan(gm: fx.GraphModule, policy: ACPolicy | str) -> RematPlan:
     if not plan.recompute:
         plan.reason = "no forward value the backward reads is safe to recompute under this policy"
     return plan
-
-
-def _is_scalar(node: fx.Node) -> bool:
-    v = fake_value(node)
-    return v is not None and v.dim() == 0
 
 
 def _saved(regions: _Regions, recomputed: set[fx.Node], fset: set[fx.Node]) -> list[fx.Node]:
@@ -491,25 +412,6 @@ def _saved(regions: _Regions, recomputed: set[fx.Node], fset: set[fx.Node]) -> l
 def recomputed_from(node: fx.Node) -> str | None:
     """The forward node a copy made by this pass recomputes (None for any other node)."""
     return node.meta.get(RECOMPUTED_FROM)
-
-
-def _is_view_op(node: fx.Node) -> bool:
-    t = node.target
-    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
-            and any(r.alias_info is not None for r in t._schema.returns))
-
-
-def alias_root(node: fx.Node) -> fx.Node:
-    """The node whose allocation ``node``'s value lives in: through view ops (``t``, ``view``,
-    ``detach``, a ``split``'s pieces...) to the first node that allocates."""
-    n = node
-    while True:
-        if is_getitem(n) and isinstance(n.args[0], fx.Node) and _is_view_op(n.args[0]):
-            n = n.args[0]
-        elif _is_view_op(n) and n.all_input_nodes:
-            n = n.all_input_nodes[0]
-        else:
-            return n
 
 
 def saved_bytes(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> int:

@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.cli import main
 from shardwise.errors import UserError
+from shardwise.ir import regions
 from shardwise.ir.match import collective, is_wait
 from shardwise.ir.trace import trace, trace_model
 from shardwise.mesh import ensure_fake_world
@@ -106,7 +107,7 @@ def test_forward_originals_die_before_the_backward(llama):
     originals = {n.name for n in plan.recompute}
     remat.apply(gm, ACPolicy.FULL)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    start = order[remat.backward_start(gm)]
+    start = order[regions.backward_start(gm)]
     alive = [n for n in gm.graph.nodes if n.name in originals]
     assert alive, "the forward still computes the recomputed values"
     for n in alive:
@@ -152,7 +153,7 @@ LLAMA_MATMULS_PER_LAYER = 7  # q, k, v, o, w1, w3, w2
 def test_selective_keeps_every_other_matmul_of_a_layer_and_attention(llama):
     gm = llama.gm
     plan = remat.recompute_plan(gm, ACPolicy.SELECTIVE)
-    start = remat.backward_start(gm)
+    start = regions.backward_start(gm)
     matmuls = []
     for n in gm.graph.nodes:
         if n is start:
@@ -324,8 +325,8 @@ def test_safety_predicates():
     ph = next(n for n in gm.graph.nodes if n.op == "placeholder")
     assert remat.safe_to_recompute(tanh, written)
     assert not remat.safe_to_recompute(ph, written)  # always available, never copied
-    assert remat.backward_start(gm) is ones
-    assert remat.input_placeholders(gm) == [n for n in gm.graph.nodes if n.op == "placeholder"][1:]
+    assert regions.backward_start(gm) is ones
+    assert regions.input_placeholders(gm) == [n for n in gm.graph.nodes if n.op == "placeholder"][1:]
 
 
 def _views(w: torch.Tensor, x: torch.Tensor):
@@ -337,7 +338,7 @@ def test_saved_bytes_count_each_allocation_once():
     gm = make_fx(_views)(torch.randn(4, 4), torch.randn(4, 4))
     wt, yv, yt, y = list(gm.graph.nodes)[-1].args[0]
     one = 4 * 4 * 4  # a 4x4 fp32 tensor
-    assert remat.alias_root(yt) is y and remat.alias_root(wt).op == "placeholder"
+    assert regions.alias_root(yt) is y and regions.alias_root(wt).op == "placeholder"
     assert remat.saved_bytes(gm, [wt]) == 0  # a parameter's transpose lives with the parameter
     assert remat.saved_bytes(gm, [yv, yt, y]) == one
 
