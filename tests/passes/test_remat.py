@@ -182,7 +182,11 @@ def test_lowered_program_collectives_follow_the_policy():
     from shardwise.mesh import parse_mesh
 
     traced = _canonical("llama-tiny")
-    mesh = parse_mesh("2x2", "dp,tp", "h100")
+    # Dim names no other in-process test uses: once a 2x2 mesh was lowered on, a later change of
+    # the fake world size leaves torch resolving that mesh's layout and names to its old, dead
+    # groups ("Could not resolve the process group"), which would break the next test lowering
+    # on the same mesh.
+    mesh = parse_mesh("2x2", "data,tp", "h100")
     program = lower(traced, make_plan_for("fsdp_tp_sp", traced, mesh, "llama-tiny", True))
     kinds = {}
     for policy in POLICIES:
