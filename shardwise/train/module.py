@@ -109,6 +109,8 @@ def _device_mesh(mesh: Mesh | DeviceMesh | str, mesh_names: Sequence[str] | None
         raise UserError(f"the process group has {dist.get_world_size()} ranks but mesh {mesh} has "
                         f"{mesh.size} devices.")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     dm = DeviceMesh(device, torch.arange(mesh.size).view(mesh.shape), mesh_dim_names=mesh.names)
     return dm, mesh
 
