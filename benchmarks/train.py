@@ -95,7 +95,7 @@ def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) ->
         def step_inputs(step):
             tokens, labels = global_batch(source, step, args.batch, args.seq)
             return tokens[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)  # the same for every loop
     times, loss = [], None
     for step in range(args.warmup + args.steps):
         dist.barrier()

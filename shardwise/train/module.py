@@ -357,12 +357,10 @@ class ParallelModule(nn.Module):
             mod_name, _, attr = full_name.rpartition(".")
             owners.setdefault(id(p), []).append((model.get_submodule(mod_name), attr))
         device = torch.device(self.device_mesh.device_type)
-        self._uninitialised: set[str] = set()
         for name, p in list(model.named_parameters()):
             lay = lays[name]
             if p.is_meta:
                 local = torch.full(lay.local_shape(), float("nan"), dtype=lay.dtype, device=device)
-                self._uninitialised.add(name)
             else:
                 local = lay.shard(p.detach(), coord).to(device)
             d = DTensor.from_local(local, self.device_mesh, lay.placements, run_check=False,
@@ -380,7 +378,6 @@ class ParallelModule(nn.Module):
         for name, p in self._state["traced_model"].named_parameters():
             lay = lays[name]
             fill_init(p.to_local(), self._user_name(name), lay.shape, seed, lay.index(coord))
-        self._uninitialised = set()
 
     # -- running -----------------------------------------------------------------------------
 
