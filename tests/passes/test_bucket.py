@@ -1,4 +1,5 @@
-"""The bucket pass: a step's gradient reductions grouped into few collectives, values unchanged
+"""The bucket pass: a step's gradient reductions and parameter gathers grouped into few
+collectives, values unchanged
 (run on real gloo ranks against the unbucketed program), and what it must leave alone."""
 
 from __future__ import annotations
@@ -40,8 +41,14 @@ def test_ddp_and_fsdp_reductions_bucket_and_the_step_is_unchanged():
     before = _count(ddp_plain.gm, CollectiveKind.ALL_REDUCE)
     assert before >= len(ddp.traced.params) - 1  # one per gradient (the embedding's is gathered)
     assert bucket.apply(ddp.gm) == before - 1 and _count(ddp.gm, CollectiveKind.ALL_REDUCE) == 1
-    before = _count(fsdp_plain.gm, CollectiveKind.REDUCE_SCATTER)
-    assert bucket.apply(fsdp.gm) == before - 1 and _count(fsdp.gm, CollectiveKind.REDUCE_SCATTER) == 1
+    scatters = _count(fsdp_plain.gm, CollectiveKind.REDUCE_SCATTER)
+    gathers = _count(fsdp_plain.gm, CollectiveKind.ALL_GATHER)
+    merged = bucket.apply(fsdp.gm)
+    assert _count(fsdp.gm, CollectiveKind.REDUCE_SCATTER) == 1
+    # The parameter gathers (through their transposes) bucket too; what gathers activations stays.
+    left = _count(fsdp.gm, CollectiveKind.ALL_GATHER)
+    assert left <= gathers - len(fsdp.traced.params) + 1
+    assert merged == scatters - 1 + gathers - left
     results = run_many([ddp_plain, ddp, fsdp_plain, fsdp], check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
     for plain, rewritten in (results[:2], results[2:]):
         assert rewritten.max_rel_err <= 1e-5
