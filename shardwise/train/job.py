@@ -9,6 +9,7 @@ torchrun), the passes, the data source and the options. ``run_rank`` builds the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -67,6 +68,9 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
     from shardwise.plan.plan import Plan
     from shardwise.train.module import parallelize
 
+    # DTensor notes at every clip/checkpoint that a 2-D shard gathers in two steps: a performance
+    # hint about PyTorch's own utilities, printed by every rank at every step, not about the job.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     model, spec = job.build(meta=True)
     plan = Plan.from_json(job.plan) if isinstance(job.plan, dict) else job.plan
     pm = parallelize(model, job.mesh, _example_inputs(spec), plan=plan, passes=job.passes,

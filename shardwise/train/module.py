@@ -109,6 +109,8 @@ def _device_mesh(mesh: Mesh | DeviceMesh | str, mesh_names: Sequence[str] | None
         raise UserError(f"the process group has {dist.get_world_size()} ranks but mesh {mesh} has "
                         f"{mesh.size} devices.")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     dm = DeviceMesh(device, torch.arange(mesh.size).view(mesh.shape), mesh_dim_names=mesh.names)
     return dm, mesh
 
@@ -155,25 +157,33 @@ def _block_seed(seed: int, name: str, block: int) -> int:
 def init_values(name: str, shape: Sequence[int], dtype: torch.dtype, seed: int,
                 index: tuple[slice, ...] | None = None) -> torch.Tensor:
     """The values ``init_weights(seed)`` gives parameter ``name`` at ``index`` (default: all):
-    the same numbers whichever rank, mesh or plan asks, drawn a block of rows at a time."""
+    the same numbers whichever rank, mesh or plan asks."""
     shape = tuple(shape)
     index = index or tuple(slice(0, d) for d in shape)
     local = tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True))
+    out = torch.empty(local, dtype=dtype)
+    fill_init(out, name, shape, seed, index)
+    return out
+
+
+def fill_init(out: torch.Tensor, name: str, shape: Sequence[int], seed: int,
+              index: tuple[slice, ...]) -> None:
+    """Write ``init_values(name, shape, out.dtype, seed, index)`` into ``out``, drawing a block of
+    rows at a time (only the blocks that overlap ``index``; never more than one in memory)."""
+    shape = tuple(shape)
     kind = init_kind(name, len(shape))
     if kind != "normal":
-        return (torch.zeros if kind == "zeros" else torch.ones)(local, dtype=dtype)
-    row = math.prod(shape[1:])
-    rows_per_block = max(1, INIT_BLOCK_ELEMENTS // max(row, 1))
+        out.fill_(0.0 if kind == "zeros" else 1.0)
+        return
+    rows_per_block = max(1, INIT_BLOCK_ELEMENTS // max(math.prod(shape[1:]), 1))
     lo, hi, _ = index[0].indices(shape[0])
-    pieces = []
     for block in range(lo // rows_per_block, (hi - 1) // rows_per_block + 1 if hi > lo else 0):
         b0 = block * rows_per_block
         b1 = min(shape[0], b0 + rows_per_block)
         g = torch.Generator().manual_seed(_block_seed(seed, name, block))
         vals = torch.randn((b1 - b0, *shape[1:]), generator=g) * INIT_STD
-        pieces.append(vals[(slice(max(lo, b0) - b0, min(hi, b1) - b0), *index[1:])])
-    out = torch.cat(pieces) if pieces else torch.empty(local)
-    return out.to(dtype)
+        a, b = max(lo, b0), min(hi, b1)
+        out[a - lo:b - lo].copy_(vals[(slice(a - b0, b - b0), *index[1:])])
 
 
 def init_state_dict(named_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -347,12 +357,10 @@ class ParallelModule(nn.Module):
             mod_name, _, attr = full_name.rpartition(".")
             owners.setdefault(id(p), []).append((model.get_submodule(mod_name), attr))
         device = torch.device(self.device_mesh.device_type)
-        self._uninitialised: set[str] = set()
         for name, p in list(model.named_parameters()):
             lay = lays[name]
             if p.is_meta:
                 local = torch.full(lay.local_shape(), float("nan"), dtype=lay.dtype, device=device)
-                self._uninitialised.add(name)
             else:
                 local = lay.shard(p.detach(), coord).to(device)
             d = DTensor.from_local(local, self.device_mesh, lay.placements, run_check=False,
@@ -369,9 +377,7 @@ class ParallelModule(nn.Module):
         coord = self._train_prog.program.coordinate(dist.get_rank())
         for name, p in self._state["traced_model"].named_parameters():
             lay = lays[name]
-            vals = init_values(self._user_name(name), lay.shape, lay.dtype, seed, lay.index(coord))
-            p.to_local().copy_(vals)
-        self._uninitialised = set()
+            fill_init(p.to_local(), self._user_name(name), lay.shape, seed, lay.index(coord))
 
     # -- running -----------------------------------------------------------------------------
 

@@ -53,17 +53,14 @@ def test_train_fsdp_tp_sp_with_passes_matches_one_process_and_resumes_anywhere(t
     assert len((ck / "metrics.jsonl").read_text().splitlines()) == 10 and (ck / "loss.png").stat().st_size
     assert max_rel(first["losses"], straight["losses"][:10]) <= 1e-6
 
+    # A save that died half-way (a step-15 dir never completed) leaves step 10 in charge.
+    (ck / "step-000015.tmp").mkdir()
+    (ck / "step-000015.tmp" / "__0_0.distcp").write_bytes(b"partial")
     same = train(*common, *sp, "--resume", str(ck))
     assert same["first_step"] == 10 and max_rel(same["losses"], straight["losses"][10:]) <= 1e-6
     other = train(*common, "--mesh", "4", "--plan", "ddp", "--resume", str(ck), "--check")
     assert max_rel(other["losses"], straight["losses"][10:]) <= 1e-5
     assert other["max_rel_diff"] <= 1e-4  # its reference resumed from the same checkpoint
-
-    # A save that died half-way leaves the last complete checkpoint in charge.
-    (ck / "step-000015.tmp").mkdir()
-    (ck / "step-000015.tmp" / "__0_0.distcp").write_bytes(b"partial")
-    again = train(*common, "--mesh", "2", "--plan", "fsdp", "--resume", str(ck), "--stop-at", "11")
-    assert again["first_step"] == 10 and max_rel(again["losses"], straight["losses"][10:11]) <= 1e-5
 
 
 @pytest.mark.slow

@@ -1,0 +1,189 @@
+"""Training with shardwise against PyTorch's own data-parallel loops, and the memory of a big model.
+
+Speed: the same model, weights, data, AdamW and clipping on 2 gloo ranks, trained by
+
+- ``shardwise-fsdp`` / ``shardwise-ddp``: ``shardwise.train.parallelize`` with the fsdp / ddp plan
+  and the ``bucket`` pass (gradient reductions grouped into 25 MiB buckets, like DDP's);
+- ``torch-fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every decoder layer and the root;
+- ``torch-ddp``: ``torch.nn.parallel.DistributedDataParallel``.
+
+Each runs ``--warmup`` untimed steps then ``--steps`` timed ones and prints tokens/s (global batch
+tokens over the mean step time of the slowest rank) and its last loss (all four must agree).
+
+Memory: ``parallelize`` of ``--mem-model`` (default llama3-8b with 4 layers, bf16) built on meta
+over 4 ranks with the fsdp plan, then ``init_weights``: each rank's peak RSS next to the model's
+size (no rank ever holds the whole model).
+
+    python benchmarks/train.py [--layers 4 --batch 8 --seq 128] [--skip-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODES = ("shardwise-fsdp", "shardwise-ddp", "torch-fsdp2", "torch-ddp")
+LR, CLIP = 3e-3, 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _build(args):
+    from shardwise.train.models import build_model
+    from shardwise.train.module import init_state_dict
+
+    module, spec = build_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, meta=False)
+    shapes = {k: (tuple(p.shape), p.dtype) for k, p in module.named_parameters()}
+    with torch.no_grad():
+        for k, v in init_state_dict(shapes, 0).items():
+            module.get_parameter(k).copy_(v)
+    return module, spec
+
+
+def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) -> None:
+    from shardwise.train.data import SyntheticSource, global_batch
+
+    _join(rank, world, port)
+    module, spec = _build(args)
+    source = SyntheticSource(spec.vocab_size, 0)
+    per = args.batch // world
+    if mode.startswith("shardwise"):
+        from shardwise.train import parallelize
+
+        example = [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in spec.example_inputs(True)]
+        # The bucket pass groups the gradient reductions, as DDP and FSDP2 do.
+        model = parallelize(module, "2", example, plan=mode.split("-")[1], passes=("bucket",),
+                            time_limit_s=60)
+
+        def step_inputs(step):
+            return model.shard_inputs(*global_batch(source, step, args.batch, args.seq))
+    else:
+        if mode == "torch-ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(module)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in module.layers:
+                fully_shard(layer, mesh=mesh)
+            model = fully_shard(module, mesh=mesh)
+
+        def step_inputs(step):
+            tokens, labels = global_batch(source, step, args.batch, args.seq)
+            return tokens[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)  # the same for every loop
+    times, loss = [], None
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(*step_inputs(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    # DDP and FSDP2 losses are this rank's half of the batch: average them over the ranks.
+    if mode.startswith("torch"):
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= world
+    results[(mode, rank)] = (sum(times[args.warmup:]) / args.steps, loss.item())
+    dist.destroy_process_group()
+
+
+def _memory_worker(rank: int, world: int, port: int, args, results) -> None:
+    from shardwise.train import parallelize
+    from shardwise.train.models import build_model
+
+    _join(rank, world, port)
+    t0 = time.perf_counter()
+    module, spec = build_model(args.mem_model, layers=args.mem_layers, batch=args.mem_batch, seq=args.mem_seq)
+    size = sum(p.numel() * p.element_size() for p in module.parameters())
+    example = [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in spec.example_inputs(True)]
+    pm = parallelize(module, str(world), example, plan="fsdp", time_limit_s=120)
+    pm.init_weights(0)
+    local = sum(p.to_local().numel() * p.element_size() for p in pm.parameters())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    results[rank] = (size, local, rss, time.perf_counter() - t0)
+    dist.destroy_process_group()
+
+
+def speed(args) -> None:
+    print(f"\n{args.model}, {args.layers} layers, batch {args.batch} x {args.seq}, fp32, 2 gloo ranks, "
+          f"{args.steps} timed steps after {args.warmup}")
+    print(f"{'loop':<16} {'step_ms':>9} {'tokens/s':>10} {'last_loss':>10}")
+    rows = {}
+    for mode in MODES:
+        results = mp.Manager().dict()
+        mp.spawn(_speed_worker, args=(2, _free_port(), mode, args, results), nprocs=2, join=True)
+        step_s = max(results[(mode, r)][0] for r in range(2))
+        rows[mode] = args.batch * args.seq / step_s
+        print(f"{mode:<16} {step_s * 1e3:>9.1f} {rows[mode]:>10,.0f} {results[(mode, 0)][1]:>10.4f}")
+    best_torch = max(rows["torch-fsdp2"], rows["torch-ddp"])
+    ours = min(rows["shardwise-fsdp"], rows["shardwise-ddp"])
+    print(f"shardwise (slower of its two) / PyTorch (faster of its two): {ours / best_torch:.2f}x")
+
+
+def memory(args) -> None:
+    world = 4
+    results = mp.Manager().dict()
+    mp.spawn(_memory_worker, args=(world, _free_port(), args, results), nprocs=world, join=True)
+    print(f"\nparallelize({args.mem_model}, {args.mem_layers} layers, on meta) over {world} gloo ranks, "
+          "fsdp plan, then init_weights")
+    print(f"{'rank':>4} {'model_GiB':>10} {'local_params_GiB':>17} {'peak_rss_GiB':>13} {'rss/model':>10} "
+          f"{'wall_s':>7}")
+    for r in range(world):
+        size, local, rss, wall = results[r]
+        print(f"{r:>4} {size / 2**30:>10.2f} {local / 2**30:>17.2f} {rss / 2**30:>13.2f} {rss / size:>10.2f} "
+              f"{wall:>7.1f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama-tiny")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--mem-model", default="llama3-8b")
+    p.add_argument("--mem-layers", type=int, default=4)
+    p.add_argument("--mem-batch", type=int, default=4)
+    p.add_argument("--mem-seq", type=int, default=256)
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--skip-speed", action="store_true")
+    args = p.parse_args()
+    if args.batch % 2 or args.steps <= 0:
+        p.error("--batch must be even (two ranks) and --steps positive")
+    if not args.skip_speed:
+        speed(args)
+    if not args.skip_memory:
+        memory(args)
+
+
+if __name__ == "__main__":
+    main()
