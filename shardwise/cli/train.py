@@ -39,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", default="auto", help=f"{' | '.join(PLAN_CHOICES)} | path/to/plan.json")
     p.add_argument("--passes", default="", help="graph passes on the per-rank program")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    p.add_argument("--ac", default="none", help="activation checkpointing: none | selective | full "
+                   "(the remat pass on the per-rank step, after --passes)")
     p.add_argument("--steps", type=int, default=20, help="training steps (the LR schedule's length)")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (schedule unchanged)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
@@ -99,13 +101,16 @@ def run(args: argparse.Namespace) -> dict:
     for name in passes:
         if name not in PASSES:
             raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
+    from shardwise.passes.remat import parse_policy
+
+    parse_policy(args.ac)  # an unknown policy fails before anything starts
     opts = _options(args)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
     check_batch(spec.batch, mesh)
     source = _source(args, spec, opts.save_dir)
     job = TrainJob(model=args.model, layers=args.layers, batch=spec.batch, seq=spec.seq, dtype=args.dtype,
                    mesh=mesh, plan=args.plan, passes=passes, source=source, options=opts,
-                   backend=args.backend, time_limit_s=args.time_limit)
+                   backend=args.backend, time_limit_s=args.time_limit, ac=args.ac)
     if opts.resume:
         path = checkpoint.latest(opts.resume)
         meta = checkpoint.read_meta(path)
@@ -187,7 +192,7 @@ def _run_torchrun(args: argparse.Namespace, job, t0: float) -> dict:
 
 def _finish(args: argparse.Namespace, job, res: dict, ref: list[float] | None, t0: float) -> dict:
     out = {"world_size": job.mesh.size, "mesh": list(job.mesh.shape), "mesh_names": list(job.mesh.names),
-           "plan": args.plan if args.plan in PLAN_CHOICES else res["plan"], "model": args.model,
+           "plan": args.plan if args.plan in PLAN_CHOICES else res["plan"], "model": args.model, "ac": job.ac,
            "data": job.source.describe(), **res, "wall_s": round(time.perf_counter() - t0, 3)}
     if ref is not None:
         out["reference_losses"] = ref

@@ -43,6 +43,7 @@ class TrainJob:
     options: TrainOptions = field(default_factory=TrainOptions)
     backend: str = "gloo"
     time_limit_s: float = 60.0
+    ac: str = "none"
 
     def build(self, meta: bool, dtype: str | None = None):
         from shardwise.train.models import build_model
@@ -74,7 +75,8 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
     model, spec = job.build(meta=True)
     plan = Plan.from_json(job.plan) if isinstance(job.plan, dict) else job.plan
     pm = parallelize(model, job.mesh, _example_inputs(spec), plan=plan, passes=job.passes,
-                     time_limit_s=job.time_limit_s, backend=job.backend, hardware=job.mesh.hardware)
+                     time_limit_s=job.time_limit_s, backend=job.backend, hardware=job.mesh.hardware,
+                     ac=job.ac)
     opts = job.options
     opt, sched = make_optimizer(pm.parameters(), opts)
     first = 0

@@ -44,6 +44,8 @@ from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.lower.spmd import Layout, SPMDProgram, lower_on
 from shardwise.mesh import Mesh
+from shardwise.passes import remat
+from shardwise.passes.remat import ACPolicy
 from shardwise.plan.plan import Plan
 from shardwise.runtime.launch import real_constants, retarget_device
 
@@ -261,7 +263,7 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, traced_model: nn.Module, device_mesh: DeviceMesh, mesh: Mesh,
                  traced: Traced, plan: Plan, *, passes: Sequence[str], prefix: str, time_limit_s: float,
-                 model_name: str, n_eval_inputs: int) -> None:
+                 model_name: str, n_eval_inputs: int, ac: ACPolicy = ACPolicy.NONE) -> None:
         super().__init__()
         # The user's submodules under their own names (no wrapper prefix); top-level parameters
         # of the model itself are registered on this module below.
@@ -269,7 +271,7 @@ class ParallelModule(nn.Module):
             self.add_module(name, child)
         self._state = {"model": model, "traced_model": traced_model, "mesh": mesh, "traced": traced,
                        "prefix": prefix, "passes": tuple(passes), "time_limit_s": time_limit_s,
-                       "model_name": model_name, "n_eval_inputs": n_eval_inputs}
+                       "model_name": model_name, "n_eval_inputs": n_eval_inputs, "ac": ac}
         self.device_mesh = device_mesh
         self.plan = plan
         self._train_prog = self._bind(traced, plan, traced_model)
@@ -293,6 +295,8 @@ class ParallelModule(nn.Module):
         device = torch.device(self.device_mesh.device_type)
         program = lower_on(traced, plan, self.device_mesh, rank=dist.get_rank(), device="cpu")
         program.apply_passes(list(self._state["passes"]))
+        if traced.train and self._state["ac"] is not ACPolicy.NONE:
+            program.rewrites["remat"] = remat.apply(program.gm, self._state["ac"])
         gm = program.gm
         # Buffers (rotary tables...) were traced as fake constants: give them the module's values.
         for name, value in real_constants(gm, module).items():
@@ -507,7 +511,7 @@ def parallelize(model: nn.Module | str, mesh: Mesh | DeviceMesh | str,
                 example_inputs: Sequence[torch.Tensor], *, plan: str | Plan | Path = "auto",
                 loss_fn: Callable | None = None, passes: Sequence[str] = (), time_limit_s: float = 60.0,
                 mesh_names: Sequence[str] | None = None, backend: str = "gloo", hardware: str = "h100",
-                n_eval_inputs: int | None = None) -> ParallelModule:
+                n_eval_inputs: int | None = None, ac: ACPolicy | str = "none") -> ParallelModule:
     """Plan, lower and bind ``model`` on ``mesh``; see the module docstring.
 
     ``model``: an ``nn.Module`` whose forward returns the scalar loss (or whose outputs
@@ -515,7 +519,9 @@ def parallelize(model: nn.Module | str, mesh: Mesh | DeviceMesh | str,
     global inputs of the shapes every step will use (real or meta). ``plan``: ``"auto"``, a
     baseline name (``ddp``, ``fsdp``, ``fsdp_tp``, ``fsdp_tp_sp``), a ``Plan`` or a plan file.
     ``n_eval_inputs``: how many leading inputs the inference program takes (default: all but the
-    last, the labels, when ``loss_fn`` is None; all of them otherwise).
+    last, the labels, when ``loss_fn`` is None; all of them otherwise). ``ac``: activation
+    checkpointing of the training program (``none``, ``selective``, ``full``: the remat pass,
+    after ``passes``).
     """
     from shardwise.passes import PASSES
     from shardwise.plan.baselines import BASELINES
@@ -523,6 +529,7 @@ def parallelize(model: nn.Module | str, mesh: Mesh | DeviceMesh | str,
     for name in passes:
         if name not in PASSES:
             raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
+    policy = remat.parse_policy(ac)
     device_mesh, abstract = _device_mesh(mesh, mesh_names, backend)
     abstract = Mesh(abstract.shape, abstract.names, hardware)
     model_name = model if isinstance(model, str) else type(model).__name__
@@ -555,4 +562,4 @@ def parallelize(model: nn.Module | str, mesh: Mesh | DeviceMesh | str,
         n_eval_inputs = n_in - 1 if loss_fn is None and n_in > 1 else n_in
     return ParallelModule(model, traced_model, device_mesh, abstract, traced, chosen, passes=passes,
                           prefix=prefix, time_limit_s=time_limit_s, model_name=model_name,
-                          n_eval_inputs=n_eval_inputs)
+                          n_eval_inputs=n_eval_inputs, ac=policy)

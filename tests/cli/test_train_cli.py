@@ -98,11 +98,12 @@ def test_train_hf_model_on_text_with_a_tokenizer_then_export_for_transformers(tm
 
 
 @pytest.mark.slow
-def test_train_byte_level_text_on_the_auto_plan(tmp_path):
+def test_train_byte_level_text_on_the_auto_plan_with_full_activation_checkpointing(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("shardwise trains on the bytes of this sentence. " * 50)
-    res = train("--model", "llama-tiny", "--mesh", "2", "--steps", "6", "--data", str(text), "--check")
-    assert res["plan"] == "auto" and res["data"] == str(text)
+    res = train("--model", "llama-tiny", "--mesh", "2", "--steps", "6", "--data", str(text), "--check",
+                "--ac", "full")
+    assert res["plan"] == "auto" and res["data"] == str(text) and res["ac"] == "full"
     assert res["max_rel_diff"] <= 1e-4 and res["losses"][-1] < res["losses"][0]
 
 
@@ -126,6 +127,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
         "needs --save-dir": [*base, "--save-every", "2"],
         "--tokenizer needs --data": [*base, "--tokenizer", "tok.json"],
         "positive integer": [*base[:-2], "--steps", "0"],
+        "unknown activation checkpointing policy": [*base, "--ac", "most"],
     }
     for needle, argv in cases.items():
         proc = shardwise(*argv, "--json", check=False)
