@@ -7,6 +7,8 @@
     shardwise.optimize(program.gm, ["sequence_parallel", "collective_matmul"])
     result = shardwise.run(program, backend="gloo", check=True)
 
+    pm = shardwise.parallelize(model, "2x2", example_inputs, mesh_names=("dp", "tp"))  # to train
+
 Names are imported on first use, so ``import shardwise`` stays cheap. (``make_plan`` and
 ``lower_plan`` rather than ``plan`` and ``lower``: those are the subpackages' names.)
 """
@@ -28,6 +30,8 @@ _EXPORTS = {
     "optimize": ("shardwise.passes", "run_passes"),
     "run": ("shardwise.runtime.launch", "run"),
     "segment": ("shardwise.passes.segment", "segment"),
+    "parallelize": ("shardwise.train.module", "parallelize"),
+    "params_on_meta": ("shardwise.train.models", "params_on_meta"),
 }
 
 __all__ = sorted(_EXPORTS)
