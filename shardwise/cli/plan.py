@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,9 @@ from contextlib import contextmanager
 
 from shardwise.cli import add_model_options
 from shardwise.errors import UserError
+
+# What makes a --constrain NAME a glob (fnmatch's wildcards).
+GLOB_CHARS = "*?["
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cluster", action="store_true", help="plan every layer separately")
     p.add_argument("--constrain", action="append", default=[], metavar="NAME=PLACEMENTS",
                    help="fix a parameter's, an input's or (inference) an output's placement, e.g. "
-                        "output.weight=S(0),R or output:0=S(2),R; repeatable")
+                        "output.weight=S(0),R or output:0=S(2),R; NAME may be a glob, e.g. "
+                        "'layers.*.attention.wq.weight=S(0),R'; repeatable, later ones win")
     p.add_argument("--explain", action="append", default=[], metavar="PARAM_OR_NODE",
                    help="also show what each alternative placement of this parameter or node would "
                         "cost, the rest of the plan fixed; repeatable")
@@ -47,7 +52,10 @@ def add_mesh_options(p: argparse.ArgumentParser, default: str = "8x8") -> None:
 
 def parse_constraints(items: list[str], traced, mesh_ndim: int):
     """``NAME=S(0),R`` pairs into planner Constraints: parameters by name, inputs by placeholder,
-    outputs as ``output`` (the first) or ``output:K``."""
+    outputs as ``output`` (the first) or ``output:K``. NAME may be a glob (``fnmatch``: ``*``,
+    ``?``, ``[...]``) over those names, e.g. ``layers.*.attention.wq.weight``; a glob that
+    matches nothing is an error, and a later item overrides an earlier one for the names both
+    match (``'layers.*.weight=R' 'layers.0.*.weight=S(0)'``)."""
     from shardwise.plan import Constraints
     from shardwise.plan.placement import parse_placements
 
@@ -60,16 +68,32 @@ def parse_constraints(items: list[str], traced, mesh_ndim: int):
         ps = parse_placements(rhs.split(","))
         if len(ps) != mesh_ndim:
             raise UserError(f"constraint {item!r} gives {len(ps)} placements for a {mesh_ndim}-dim mesh.")
-        if name in traced.inputs:
-            inputs[name] = ps
-        elif name == "output" or name.startswith("output:"):
-            index = name.partition(":")[2] or "0"
-            if not index.isdigit():
-                raise UserError(f"constraint {item!r} names no output; write output:K for the K-th (from 0).")
-            outputs[int(index)] = ps
-        else:
-            params[name] = ps
+        for target in _constraint_targets(name, item, traced):
+            if target in traced.inputs:
+                inputs[target] = ps
+            elif target == "output" or target.startswith("output:"):
+                index = target.partition(":")[2] or "0"
+                if not index.isdigit():
+                    raise UserError(f"constraint {item!r} names no output; write output:K for the K-th "
+                                    "(from 0).")
+                outputs[int(index)] = ps
+            else:
+                params[target] = ps
     return Constraints(params, inputs, outputs)
+
+
+def _constraint_targets(name: str, item: str, traced) -> list[str]:
+    """The names ``name`` stands for: itself, or every parameter, input and (inference) output
+    ``output:K`` its glob matches."""
+    if not any(ch in name for ch in GLOB_CHARS):
+        return [name]
+    outputs = [] if traced.train else [f"output:{i}" for i in range(len(traced.outputs))]
+    matched = fnmatch.filter([*traced.params, *traced.inputs, *outputs], name)
+    if not matched:
+        example = next(iter(traced.params), "")
+        raise UserError(f"constraint {item!r}: the pattern {name!r} matches no parameter, input or output "
+                        f"of {traced.model_name} (parameters are named like {example!r}).")
+    return matched
 
 
 def run(args: argparse.Namespace) -> dict:

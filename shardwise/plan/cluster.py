@@ -16,6 +16,7 @@ for the clustered problem: 32 identical layers cost one layer's variables.
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -90,7 +91,7 @@ def regions(traced: Traced) -> dict[fx.Node, int]:
     return region
 
 
-def _signature(group: list[fx.Node]) -> tuple:
+def _signature(group: list[fx.Node], pinned: Mapping[str, Hashable]) -> tuple:
     pos = {n: i for i, n in enumerate(group)}
     sig = []
     for n in group:
@@ -110,12 +111,16 @@ def _signature(group: list[fx.Node]) -> tuple:
             else:
                 args.append(a)
         sig.append((n.op, str(n.target) if n.op != "placeholder" else "param", shp, tuple(args),
-                    tuple(sorted((k, str(v)) for k, v in n.kwargs.items()))))
+                    tuple(sorted((k, str(v)) for k, v in n.kwargs.items())), pinned.get(n.name)))
     return tuple(sig)
 
 
-def cluster(traced: Traced) -> Clustering:
-    """Cluster identical layers of ``traced`` (forward and backward separately)."""
+def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clustering:
+    """Cluster identical layers of ``traced`` (forward and backward separately). ``pinned``
+    maps placeholder names to what fixes them (a user constraint, a baseline's placement):
+    layers whose parameters are pinned differently are not identical, since a representative's
+    choice is every copy's."""
+    pinned = pinned or {}
     result = no_clustering(traced.gm)
     region = regions(traced)
     groups: dict[tuple[Phase, int], list[fx.Node]] = {}
@@ -124,7 +129,7 @@ def cluster(traced: Traced) -> Clustering:
             groups.setdefault((traced.phase(n), region[n]), []).append(n)
     by_sig: dict[tuple, list[list[fx.Node]]] = {}
     for (_phase, _layer), nodes in sorted(groups.items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
-        by_sig.setdefault((_phase, _signature(nodes)), []).append(nodes)
+        by_sig.setdefault((_phase, _signature(nodes, pinned)), []).append(nodes)
     index = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
     for copies in by_sig.values():
         if len(copies) < 2:

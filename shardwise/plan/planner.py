@@ -76,12 +76,13 @@ def make_plan(
         if spec is None:
             return None
     budget = default_budget(mesh) if memory_budget is None else memory_budget
-    clus = cluster(traced) if clustering else no_clustering(traced.gm)
+    fixed = _fixed_placeholders(traced, spec, constraints)
+    clus = cluster(traced, fixed) if clustering else no_clustering(traced.gm)
     timings["cluster_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
     say("enumerating strategies")
-    allowed = _placeholder_filter(traced, spec, constraints, mesh)
+    allowed = _placeholder_filter(fixed, mesh)
     ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
     if spec is not None and not _fix_baseline_choices(spec, traced, ns, mesh, clus):
         return None
@@ -158,8 +159,9 @@ def _fix_baseline_choices(spec: BaselineSpec, traced: Traced, ns: dict[fx.Node, 
     return spec.norm_layout is None or tensor_parallel_uses(spec, traced, ns, mesh, clus.rep)
 
 
-def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: Constraints | None,
-                        mesh: Mesh):
+def _fixed_placeholders(traced: Traced, spec: BaselineSpec | None,
+                        constraints: Constraints | None) -> dict[str, Placements]:
+    """Placeholder name -> the placements a baseline or the user fixes it in."""
     fixed: dict[str, Placements] = dict(spec.fixed) if spec is not None else {}
     if constraints is not None:
         for pname, ps in constraints.params.items():
@@ -171,7 +173,10 @@ def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: 
                 raise UserError(f"the constraint names input {iname!r}; inputs are "
                                 f"{', '.join(traced.inputs)}.")
             fixed[iname] = ps
+    return fixed
 
+
+def _placeholder_filter(fixed: dict[str, Placements], mesh: Mesh) -> Callable[[fx.Node, Placements], bool]:
     def allowed(node: fx.Node, ps: Placements) -> bool:
         want = fixed.get(node.name)
         return want is None or ps == on_mesh(want, mesh.shape)
