@@ -114,10 +114,10 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     from shardwise.ir.trace import trace_model
     from shardwise.mesh import parse_mesh
     from shardwise.passes.pipeline import canonicalize
-    from shardwise.plan import BASELINES, make_plan
+    from shardwise.plan import make_plan
     from shardwise.plan.explain import explain
     from shardwise.plan.ilp import OPTIMIZER_STATE_BYTES, MemoryModel
-    from shardwise.plan.planner import NO_PLAN, no_plan_reason
+    from shardwise.plan.planner import NO_PLAN, no_plan_reason, plan_with_baselines
     from shardwise.plan.report import plan_summary
 
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
@@ -137,17 +137,16 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
         if name not in traced.params and name not in {n.name for n in traced.gm.graph.nodes}:
             raise UserError(f"--explain {name!r} is neither a parameter nor a node of the traced graph.")
     memory = MemoryModel(optimizer_state_bytes=OPTIMIZER_STATE_BYTES[args.optimizer])
-    plan = make_plan(traced, mesh, memory_budget=budget, clustering=not args.no_cluster,
-                     time_limit_s=args.time_limit, constraints=constraints, memory=memory, on_phase=say)
+    options = {"memory_budget": budget, "clustering": not args.no_cluster, "time_limit_s": args.time_limit,
+               "memory": memory}
+    if args.no_baselines:
+        plan, hand = make_plan(traced, mesh, constraints=constraints, on_phase=say, **options), {}
+    else:
+        plan, hand = plan_with_baselines(traced, mesh, constraints=constraints, on_phase=say, **options)
     if plan.status in NO_PLAN:
         raise UserError(no_plan_reason(plan))
-    baselines: dict[str, float | None] = {}
-    if not args.no_baselines:
-        for name in BASELINES:
-            say(f"pricing the {name} baseline")
-            b = make_plan(traced, mesh, baseline=name, memory_budget=budget,
-                          clustering=not args.no_cluster, time_limit_s=args.time_limit, memory=memory)
-            baselines[name] = b.estimate.total_s if b is not None and b.status not in NO_PLAN else None
+    baselines = {name: b.estimate.total_s if b is not None and b.status not in NO_PLAN else None
+                 for name, b in hand.items()}
     if args.save:
         plan.save(args.save)
     timings = plan.info["timings"]
@@ -186,7 +185,12 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
     from shardwise.plan.report import describe_param
 
     con = Console()
-    status = plan.status if plan.status == "optimal" else f"{plan.status} (MIP gap {plan.mip_gap:.2%})"
+    status = plan.status
+    if plan.status != "optimal":
+        status += (f" (MIP gap {plan.mip_gap:.2%}: the optimum is at least "
+                   f"{plan.info['bound_s'] * 1e3:.2f} ms)")
+    if plan.info.get("started_from"):
+        status += f", started from {plan.info['started_from']}"
     con.print(f"[bold]{traced.model_name}[/] on {mesh} {mesh.hardware}: {status}, "
               f"step {plan.estimate.total_s * 1e3:.2f} ms (compute {plan.estimate.compute_s * 1e3:.2f} ms, "
               f"communication {plan.estimate.comm_s * 1e3:.2f} ms), "

@@ -91,27 +91,32 @@ def regions(traced: Traced) -> dict[fx.Node, int]:
     return region
 
 
+def _arg_signature(a, pos: dict[fx.Node, int]):
+    """An argument as the signature sees it: a node inside the region by its position, one
+    outside by its shape (copies read different but like-shaped values from outside), anything
+    else as itself."""
+    if isinstance(a, fx.Node):
+        if a in pos:
+            return ("in", pos[a])
+        av = a.meta.get("val")
+        return ("ext", tuple(av.shape) if isinstance(av, torch.Tensor) else None)
+    if isinstance(a, (list, tuple)):
+        return tuple(("in", pos[x]) if isinstance(x, fx.Node) and x in pos else
+                     ("ext",) if isinstance(x, fx.Node) else x for x in a)
+    return a
+
+
 def _signature(group: list[fx.Node], pinned: Mapping[str, Hashable]) -> tuple:
     pos = {n: i for i, n in enumerate(group)}
     sig = []
     for n in group:
         v = n.meta.get("val")
         shp = tuple(v.shape) if isinstance(v, torch.Tensor) else None
-        args = []
-        for a in n.args:
-            if isinstance(a, fx.Node):
-                if a in pos:
-                    args.append(("in", pos[a]))
-                else:
-                    av = a.meta.get("val")
-                    args.append(("ext", tuple(av.shape) if isinstance(av, torch.Tensor) else None))
-            elif isinstance(a, (list, tuple)):
-                args.append(tuple(("in", pos[x]) if isinstance(x, fx.Node) and x in pos else
-                                  ("ext",) if isinstance(x, fx.Node) else x for x in a))
-            else:
-                args.append(a)
-        sig.append((n.op, str(n.target) if n.op != "placeholder" else "param", shp, tuple(args),
-                    tuple(sorted((k, str(v)) for k, v in n.kwargs.items())), pinned.get(n.name)))
+        args = tuple(_arg_signature(a, pos) for a in n.args)
+        # Keyword arguments too (an attention mask passed as attn_mask= is a node like any other).
+        kwargs = tuple(sorted((k, str(_arg_signature(a, pos))) for k, a in n.kwargs.items()))
+        sig.append((n.op, str(n.target) if n.op != "placeholder" else "param", shp, args, kwargs,
+                    pinned.get(n.name)))
     return tuple(sig)
 
 

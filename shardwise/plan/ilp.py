@@ -106,6 +106,7 @@ class IlpResult:
     build_s: float
     solve_s: float
     min_memory_bytes: int | None = None
+    bound_s: float = 0.0  # the solver's lower bound on the optimum (seconds)
 
 
 @dataclass
@@ -181,7 +182,11 @@ def _strategy_vars(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[lis
 
 def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
           *, memory_budget: float | None = None, memory: MemoryModel | None = None,
-          time_limit_s: float = 60.0) -> IlpResult:
+          time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None) -> IlpResult:
+    """Solve the placement ILP. ``start`` (deciding representative -> strategy index, e.g. a
+    hand plan's choices) is handed to HiGHS as its first incumbent: the solver completes the
+    continuous edge variables and, if the point is feasible, never returns anything worse, so
+    a time limit costs only optimality."""
     t0 = time.perf_counter()
     memory = memory or MemoryModel()
     m = _Model()
@@ -284,6 +289,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                        for i in m.integer]
     h.passModel(lp)
+    if start is not None:
+        _set_start(h, deciding, start)
     h.run()
     solve_s = time.perf_counter() - t1
     status = h.getModelStatus()
@@ -295,12 +302,31 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         label = "feasible"
     else:
         label = "infeasible" if status == highspy.HighsModelStatus.kInfeasible else "unsolved"
-        return IlpResult(label, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem)
+        return IlpResult(label, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem,
+                         bound_s=_bound_s(float(info.mip_dual_bound)))
     sol = np.asarray(h.getSolution().col_value)
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
     return IlpResult(label, float(info.objective_function_value) * OBJECTIVE_UNIT_S, float(info.mip_gap),
-                     choice, nv, nr,
-                     build_s, solve_s, min_mem)
+                     choice, nv, nr, build_s, solve_s, min_mem,
+                     bound_s=_bound_s(float(info.mip_dual_bound)))
+
+
+def _bound_s(dual_bound: float) -> float:
+    """The solver's lower bound in seconds; 0 (every cost is non-negative) before it has one."""
+    return max(0.0, dual_bound * OBJECTIVE_UNIT_S) if math.isfinite(dual_bound) else 0.0
+
+
+def _set_start(h: highspy.Highs, deciding: dict[fx.Node, list[int]], start: dict[fx.Node, int]) -> None:
+    """Give HiGHS the one-hot x of ``start`` for every deciding representative it covers; the
+    solver fixes them and solves the LP left over (the edge and move variables) to complete it."""
+    cols: list[int] = []
+    vals: list[float] = []
+    for r, vs in deciding.items():
+        if r not in start:
+            continue  # (a follower's x are its producer's)
+        cols.extend(vs)
+        vals.extend(1.0 if i == start[r] else 0.0 for i in range(len(vs)))
+    h.setSolution(len(cols), np.array(cols, dtype=np.int32), np.array(vals, dtype=np.float64))
 
 
 def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Placements, list[int]],

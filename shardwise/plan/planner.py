@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
@@ -22,10 +22,10 @@ from shardwise.cost.units import format_bytes
 from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
-from shardwise.plan.baselines import BaselineSpec, baseline_spec, node_filter, tensor_parallel_uses
+from shardwise.plan.baselines import BASELINES, BaselineSpec, baseline_spec, node_filter, tensor_parallel_uses
 from shardwise.plan.cluster import Clustering, cluster, no_clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
-from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, MemoryModel, chosen_strategy, solve
+from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, IlpResult, MemoryModel, chosen_strategy, solve
 from shardwise.plan.placement import Placements, on_mesh, placements_str
 from shardwise.plan.plan import CollectiveCount, Estimate, NodeSpec, Plan, graph_fingerprint, tensor_args
 from shardwise.plan.strategies import NodeStrategies, Strategy, enumerate_strategies
@@ -64,9 +64,13 @@ def make_plan(
     time_limit_s: float = 60.0,
     memory: MemoryModel | None = None,
     on_phase: Callable[[str], None] | None = None,
+    start_from: Sequence[Plan] = (),
 ) -> Plan | None:
     """Plan ``traced`` over ``mesh``. Returns None when ``baseline`` does not apply to this mesh.
-    ``on_phase`` is told what the planner is doing (for progress displays)."""
+    ``on_phase`` is told what the planner is doing (for progress displays). ``start_from``: plans
+    of the same graph and mesh (the hand-written baselines) the solver starts from; the cheapest
+    one that is a point of this ILP becomes its first incumbent, so the result is never dearer
+    than it, even when the time limit stops the search (see ``plan_with_baselines``)."""
     say = on_phase or (lambda _phase: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -97,7 +101,11 @@ def make_plan(
 
     costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
     say(f"solving the placement ILP (limit {time_limit_s:g} s)")
-    res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s)
+    start, started_from = _start_point(traced, ns, clus, start_from, budget)
+    res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
+                start=start.choice if start is not None else None)
+    if start is not None:
+        res = _never_worse(res, start)
     timings["ilp_build_s"] = res.build_s
     timings["solve_s"] = res.solve_s
     if res.status in NO_PLAN:
@@ -120,13 +128,93 @@ def make_plan(
     estimate(traced, plan, costs, memory)
     timings["total_s"] = time.perf_counter() - t0
     plan.info = {
-        "objective_s": res.objective_s, "timings": timings, "memory_budget_bytes": budget,
+        "objective_s": res.objective_s, "bound_s": res.bound_s, "started_from": started_from,
+        "timings": timings, "memory_budget_bytes": budget,
         "ilp": {"variables": res.n_vars, "constraints": res.n_rows, "clusters": len(clus.clusters),
                 "representatives": len(clus.representatives), "nodes": len(clus.rep)},
     }
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
     return plan
+
+
+def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] = BASELINES,
+                        on_phase: Callable[[str], None] | None = None,
+                        **options) -> tuple[Plan, dict[str, Plan | None]]:
+    """The hand-written baselines (None where one does not apply), then the auto plan started
+    from the cheapest of them that fits: (auto, {name: baseline}). ``options`` go to every
+    ``make_plan`` call; the user's constraints bind the auto plan only (a baseline that breaks
+    them is no start point: the ILP rejects it)."""
+    say = on_phase or (lambda _phase: None)
+    constraints = options.pop("constraints", None)
+    _fixed_placeholders(traced, None, constraints)  # refuse a bad constraint before the baselines
+    plans: dict[str, Plan | None] = {}
+    for name in baselines:
+        say(f"pricing the {name} baseline")
+        plans[name] = make_plan(traced, mesh, baseline=name, **options)
+    starts = [b for b in plans.values() if b is not None and b.status not in NO_PLAN]
+    auto = make_plan(traced, mesh, constraints=constraints, on_phase=on_phase, start_from=starts, **options)
+    return auto, plans
+
+
+@dataclass(frozen=True)
+class _Start:
+    """A plan the solver starts from: its choice at every representative and its step time."""
+
+    choice: dict[fx.Node, int]
+    objective_s: float
+
+
+def _start_point(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
+                 plans: Sequence[Plan], budget: float) -> tuple[_Start | None, str | None]:
+    """The cheapest plan in ``plans`` that fits ``budget`` and runs, at every representative, a
+    strategy this ILP offers (followers: the one their producer implies); and its name. (None,
+    None) when none qualifies."""
+    for plan in sorted(plans, key=lambda p: p.estimate.total_s):
+        if plan.estimate.memory_bytes > budget or plan.fingerprint != graph_fingerprint(traced.gm):
+            continue
+        choice = _choices_of(plan, ns, clus)
+        if choice is not None:
+            return _Start(choice, plan.estimate.total_s), plan.name
+        log.debug("plan %s is no point of this ILP: not a start", plan.name)
+    return None, None
+
+
+def _never_worse(res: IlpResult, start: _Start) -> IlpResult:
+    """The solver's result, or the start point where the solver found nothing better (its time
+    ran out before it read the start, say), with the solver's bound and the gap to it."""
+    # Plans within this relative margin of each other cost the same (float rounding of the sums).
+    tie = 1e-9
+    if res.status not in NO_PLAN and res.objective_s <= start.objective_s * (1.0 + tie):
+        return res
+    bound = min(res.bound_s, start.objective_s)
+    gap = (start.objective_s - bound) / start.objective_s if start.objective_s > 0.0 else 0.0
+    return replace(res, status="feasible" if gap > tie else "optimal", objective_s=start.objective_s,
+                   mip_gap=gap, bound_s=bound, choice=start.choice)
+
+
+def _choices_of(plan: Plan, ns: dict[fx.Node, NodeStrategies], clus: Clustering) -> dict[fx.Node, int] | None:
+    """``plan``'s strategy index at every representative (a follower: the strategy reading what
+    its producer yields), or None where ``plan`` is no point of this ILP: some node's placements
+    are not among its strategies here, or a follower reads its producer in another placement."""
+    choice: dict[fx.Node, int] = {}
+    for r in clus.representatives:  # graph order: producers first
+        st = ns.get(r)
+        if st is None or st.alias_of is not None or r.op == "output":
+            continue
+        spec = plan.nodes.get(r.name)
+        if spec is None:
+            return None
+        want = Strategy(spec.output, spec.inputs)
+        if st.follows is not None:
+            supplied = chosen_strategy(ns, clus, choice, st.follows).output[0]
+            if want.inputs[:1] != (supplied,):
+                return None
+        index = next((i for i, s in enumerate(st.strategies) if s == want), None)
+        if index is None:
+            return None
+        choice[r] = index
+    return choice
 
 
 def no_plan_reason(plan: Plan) -> str:
