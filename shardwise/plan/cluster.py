@@ -143,8 +143,12 @@ def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clu
         # producers always have their own representatives planned before it.
         copies.sort(key=lambda c: index[c[0]])
         result.clusters.append(copies)
-        first = copies[0]
-        for copy in copies[1:]:
-            for n, r in zip(copy, first, strict=True):
+        # Each position is represented by its earliest copy in graph order, so strategies and
+        # variables are built for a representative before its copies. (Regions interleave: a
+        # forward value the backward saves, e.g. GPT-2's detached activations, sits in the graph
+        # among the forward nodes, in the reverse order of its layer's backward region.)
+        for position in zip(*copies, strict=True):
+            r = min(position, key=index.__getitem__)
+            for n in position:
                 result.rep[n] = r
     return result

@@ -16,8 +16,8 @@ from shardwise.ir.trace import trace
 from shardwise.mesh import Mesh
 from shardwise.plan import Plan, make_plan
 
-JSON_KEYS = {"status", "objective_s", "mip_gap", "bound_s", "started_from", "timings", "ilp", "baselines", "params", "outputs",
-             "memory_per_device_bytes", "collectives", "fallback_ops", "estimate"}
+JSON_KEYS = {"status", "objective_s", "mip_gap", "bound_s", "started_from", "timings", "ilp", "baselines",
+             "params", "outputs", "memory_per_device_bytes", "collectives", "fallback_ops", "estimate"}
 TINY = ["--model", "llama-tiny", "--layers", "1", "--batch", "8", "--seq", "32"]
 
 
