@@ -32,7 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "sgd-momentum or sgd")
     p.add_argument("--time-limit", type=float, default=180.0, help="solver time limit in seconds")
     p.add_argument("--save", default=None, help="write the plan as JSON to this path")
-    p.add_argument("--no-baselines", action="store_true", help="skip planning the hand-written baselines")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip planning the hand-written baselines (the solver then starts from nothing: "
+                        "a time limit may leave no plan)")
     p.add_argument("--no-cluster", action="store_true", help="plan every layer separately")
     p.add_argument("--constrain", action="append", default=[], metavar="NAME=PLACEMENTS",
                    help="fix a parameter's, an input's or (inference) an output's placement, e.g. "

@@ -135,7 +135,7 @@ def make_plan(
     timings["total_s"] = time.perf_counter() - t0
     plan.info = {
         "objective_s": objective, "bound_s": res.bound_s, "started_from": started_from,
-        "timings": timings, "memory_budget_bytes": budget,
+        "start_s": res.start_s, "timings": timings, "memory_budget_bytes": budget,
         "ilp": {"variables": res.n_vars, "constraints": res.n_rows, "clusters": len(clus.clusters),
                 "representatives": len(clus.representatives), "nodes": len(clus.rep)},
     }
@@ -191,11 +191,14 @@ def _never_worse(res: IlpResult, start: _Start) -> IlpResult:
     ran out before it read the start, say), with the solver's bound and the gap to it."""
     # Plans within this relative margin of each other cost the same (float rounding of the sums).
     tie = 1e-9
-    if res.status not in NO_PLAN and res.objective_s <= start.objective_s * (1.0 + tie):
+    # The ILP's own price of the start point where the solver was given it (the same as the
+    # start plan's estimate: the two are priced alike).
+    price = res.start_s if res.start_s is not None else start.objective_s
+    if res.status not in NO_PLAN and res.objective_s <= price * (1.0 + tie):
         return res
-    bound = min(res.bound_s, start.objective_s)
-    gap = (start.objective_s - bound) / start.objective_s if start.objective_s > 0.0 else 0.0
-    return replace(res, status="feasible" if gap > tie else "optimal", objective_s=start.objective_s,
+    bound = min(res.bound_s, price)
+    gap = (price - bound) / price if price > 0.0 else 0.0
+    return replace(res, status="feasible" if gap > tie else "optimal", objective_s=price,
                    mip_gap=gap, bound_s=bound, choice=start.choice)
 
 

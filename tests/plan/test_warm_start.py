@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 from shardwise.ir.trace import trace_model
 from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
-from shardwise.plan import BASELINES, Constraints, make_plan
+from shardwise.plan import BASELINES, Constraints, estimate, make_plan
 from shardwise.plan.planner import plan_with_baselines
 
 MESH = Mesh((2, 2), ("dp", "tp"), "h100")
@@ -44,6 +44,7 @@ def test_every_hand_plan_is_a_start_point_kept_when_time_runs_out(tiny, hand, na
     assert auto.status == "feasible" and auto.info["started_from"] == name
     assert auto.estimate.total_s == pytest.approx(start.estimate.total_s, rel=1e-9)
     assert auto.info["objective_s"] == pytest.approx(start.estimate.total_s, rel=1e-9)
+    assert auto.info["start_s"] == pytest.approx(start.estimate.total_s, rel=1e-9)  # priced alike
     assert auto.params == start.params
     assert auto.info["bound_s"] == 0.0 and auto.mip_gap == 1.0
 
@@ -76,3 +77,16 @@ def test_a_hand_plan_over_the_budget_is_no_start(tiny, hand):
     budget = ddp.estimate.memory_bytes - 1
     auto = make_plan(tiny, MESH, time_limit_s=NO_TIME_S, memory_budget=budget, start_from=[ddp])
     assert auto.status == "unsolved"
+
+
+def test_a_hand_plan_is_priced_alike_by_the_ilp_and_the_estimate():
+    """On llama3-8b a forward and a backward einsum share op and shapes but not their work; the
+    ILP, the plan's estimate and a fresh estimate must all price the start point the same."""
+    tr = trace_model("llama3-8b", layers=2, batch=16, seq=8192)
+    canonicalize(tr)
+    mesh = Mesh((8, 8), ("dp", "tp"), "h100")
+    hand = make_plan(tr, mesh, baseline="fsdp_tp_sp")
+    priced = hand.estimate.total_s  # (estimate() below replaces hand.estimate)
+    auto = make_plan(tr, mesh, time_limit_s=NO_TIME_S, start_from=[hand])
+    assert auto.info["start_s"] == pytest.approx(priced, rel=1e-9)
+    assert estimate(tr, hand).total_s == pytest.approx(priced, rel=1e-12)
