@@ -33,6 +33,10 @@ Memory per device, <= budget. Training:
   sum_params copies * sum_s x * local_numel(s) * (param + grad + optimizer-state bytes)
   + sum_{forward nodes read by backward} copies * sum_s x * local_bytes(out(s))
 Inference: the parameters' local bytes (a replicated 70B model does not fit an 80 GB device).
+
+Start point: a hand plan's choices (one strategy per deciding representative) fix x; each e is
+then 1 on the one pair its ends choose and each t the largest of its rows, a complete point that
+is checked against every row before HiGHS gets it as its first incumbent (``_start_vector``).
 """
 
 from __future__ import annotations

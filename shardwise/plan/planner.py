@@ -1,9 +1,11 @@
 """The planning driver: trace -> clusters -> strategies -> ILP -> Plan, with timings.
 
 ``make_plan(traced, mesh)`` gives the auto plan; ``baseline="fsdp"`` (etc.) the best plan that
-keeps a hand-written plan's fixed choices (see ``baselines.py``). Both are priced by the same
-cost model, and ``estimate`` re-prices any plan node by node, which is also how the report's
-collectives and memory are computed.
+keeps a hand-written plan's fixed choices (see ``baselines.py``); ``plan_with_baselines`` prices
+the hand plans first and starts the auto solve from the cheapest that fits, keeping it where the
+solver finds nothing better in its time (so the auto plan is never dearer than a hand plan).
+All are priced by the same cost model, and ``estimate`` re-prices any plan node by node,
+which is also how the report's collectives and memory are computed.
 """
 
 from __future__ import annotations
