@@ -177,7 +177,12 @@ def progress(*, enabled: bool) -> Iterator[Callable[[str], None]]:
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("")
-        yield lambda step: bar.update(task, description=step)
+
+        def say(step: str) -> None:
+            bar.update(task, description=step)
+            bar.refresh()  # show every step, not only those still running at the next 10 Hz tick
+
+        yield say
 
 
 def _print_report(traced, plan, out: dict, mesh) -> None:
