@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,9 @@ from contextlib import contextmanager
 
 from shardwise.cli import add_model_options
 from shardwise.errors import UserError
+
+# What makes a --constrain NAME a glob (fnmatch's wildcards).
+GLOB_CHARS = "*?["
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,11 +32,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "sgd-momentum or sgd")
     p.add_argument("--time-limit", type=float, default=180.0, help="solver time limit in seconds")
     p.add_argument("--save", default=None, help="write the plan as JSON to this path")
-    p.add_argument("--no-baselines", action="store_true", help="skip planning the hand-written baselines")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip planning the hand-written baselines (the solver then starts from nothing: "
+                        "a time limit may leave no plan)")
     p.add_argument("--no-cluster", action="store_true", help="plan every layer separately")
     p.add_argument("--constrain", action="append", default=[], metavar="NAME=PLACEMENTS",
                    help="fix a parameter's, an input's or (inference) an output's placement, e.g. "
-                        "output.weight=S(0),R or output:0=S(2),R; repeatable")
+                        "output.weight=S(0),R or output:0=S(2),R; NAME may be a glob, e.g. "
+                        "'layers.*.attention.wq.weight=S(0),R'; repeatable, later ones win")
     p.add_argument("--explain", action="append", default=[], metavar="PARAM_OR_NODE",
                    help="also show what each alternative placement of this parameter or node would "
                         "cost, the rest of the plan fixed; repeatable")
@@ -47,7 +54,10 @@ def add_mesh_options(p: argparse.ArgumentParser, default: str = "8x8") -> None:
 
 def parse_constraints(items: list[str], traced, mesh_ndim: int):
     """``NAME=S(0),R`` pairs into planner Constraints: parameters by name, inputs by placeholder,
-    outputs as ``output`` (the first) or ``output:K``."""
+    outputs as ``output`` (the first) or ``output:K``. NAME may be a glob (``fnmatch``: ``*``,
+    ``?``, ``[...]``) over those names, e.g. ``layers.*.attention.wq.weight``; a glob that
+    matches nothing is an error, and a later item overrides an earlier one for the names both
+    match (``'layers.*.weight=R' 'layers.0.*.weight=S(0)'``)."""
     from shardwise.plan import Constraints
     from shardwise.plan.placement import parse_placements
 
@@ -60,16 +70,32 @@ def parse_constraints(items: list[str], traced, mesh_ndim: int):
         ps = parse_placements(rhs.split(","))
         if len(ps) != mesh_ndim:
             raise UserError(f"constraint {item!r} gives {len(ps)} placements for a {mesh_ndim}-dim mesh.")
-        if name in traced.inputs:
-            inputs[name] = ps
-        elif name == "output" or name.startswith("output:"):
-            index = name.partition(":")[2] or "0"
-            if not index.isdigit():
-                raise UserError(f"constraint {item!r} names no output; write output:K for the K-th (from 0).")
-            outputs[int(index)] = ps
-        else:
-            params[name] = ps
+        for target in _constraint_targets(name, item, traced):
+            if target in traced.inputs:
+                inputs[target] = ps
+            elif target == "output" or target.startswith("output:"):
+                index = target.partition(":")[2] or "0"
+                if not index.isdigit():
+                    raise UserError(f"constraint {item!r} names no output; write output:K for the K-th "
+                                    "(from 0).")
+                outputs[int(index)] = ps
+            else:
+                params[target] = ps
     return Constraints(params, inputs, outputs)
+
+
+def _constraint_targets(name: str, item: str, traced) -> list[str]:
+    """The names ``name`` stands for: itself, or every parameter, input and (inference) output
+    ``output:K`` its glob matches."""
+    if not any(ch in name for ch in GLOB_CHARS):
+        return [name]
+    outputs = [] if traced.train else [f"output:{i}" for i in range(len(traced.outputs))]
+    matched = fnmatch.filter([*traced.params, *traced.inputs, *outputs], name)
+    if not matched:
+        example = next(iter(traced.params), "")
+        raise UserError(f"constraint {item!r}: the pattern {name!r} matches no parameter, input or output "
+                        f"of {traced.model_name} (parameters are named like {example!r}).")
+    return matched
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -90,10 +116,10 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     from shardwise.ir.trace import trace_model
     from shardwise.mesh import parse_mesh
     from shardwise.passes.pipeline import canonicalize
-    from shardwise.plan import BASELINES, make_plan
+    from shardwise.plan import make_plan
     from shardwise.plan.explain import explain
     from shardwise.plan.ilp import OPTIMIZER_STATE_BYTES, MemoryModel
-    from shardwise.plan.planner import NO_PLAN, no_plan_reason
+    from shardwise.plan.planner import NO_PLAN, no_plan_reason, plan_with_baselines
     from shardwise.plan.report import plan_summary
 
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
@@ -113,17 +139,16 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
         if name not in traced.params and name not in {n.name for n in traced.gm.graph.nodes}:
             raise UserError(f"--explain {name!r} is neither a parameter nor a node of the traced graph.")
     memory = MemoryModel(optimizer_state_bytes=OPTIMIZER_STATE_BYTES[args.optimizer])
-    plan = make_plan(traced, mesh, memory_budget=budget, clustering=not args.no_cluster,
-                     time_limit_s=args.time_limit, constraints=constraints, memory=memory, on_phase=say)
+    options = {"memory_budget": budget, "clustering": not args.no_cluster, "time_limit_s": args.time_limit,
+               "memory": memory}
+    if args.no_baselines:
+        plan, hand = make_plan(traced, mesh, constraints=constraints, on_phase=say, **options), {}
+    else:
+        plan, hand = plan_with_baselines(traced, mesh, constraints=constraints, on_phase=say, **options)
     if plan.status in NO_PLAN:
         raise UserError(no_plan_reason(plan))
-    baselines: dict[str, float | None] = {}
-    if not args.no_baselines:
-        for name in BASELINES:
-            say(f"pricing the {name} baseline")
-            b = make_plan(traced, mesh, baseline=name, memory_budget=budget,
-                          clustering=not args.no_cluster, time_limit_s=args.time_limit, memory=memory)
-            baselines[name] = b.estimate.total_s if b is not None and b.status not in NO_PLAN else None
+    baselines = {name: b.estimate.total_s if b is not None and b.status not in NO_PLAN else None
+                 for name, b in hand.items()}
     if args.save:
         plan.save(args.save)
     timings = plan.info["timings"]
@@ -152,7 +177,12 @@ def progress(*, enabled: bool) -> Iterator[Callable[[str], None]]:
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("")
-        yield lambda step: bar.update(task, description=step)
+
+        def say(step: str) -> None:
+            bar.update(task, description=step)
+            bar.refresh()  # show every step, not only those still running at the next 10 Hz tick
+
+        yield say
 
 
 def _print_report(traced, plan, out: dict, mesh) -> None:
@@ -162,7 +192,12 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
     from shardwise.plan.report import describe_param
 
     con = Console()
-    status = plan.status if plan.status == "optimal" else f"{plan.status} (MIP gap {plan.mip_gap:.2%})"
+    status = plan.status
+    if plan.status != "optimal":
+        status += (f" (MIP gap {plan.mip_gap:.2%}: the optimum is at least "
+                   f"{plan.info['bound_s'] * 1e3:.2f} ms)")
+    if plan.info.get("started_from"):
+        status += f", started from {plan.info['started_from']}"
     con.print(f"[bold]{traced.model_name}[/] on {mesh} {mesh.hardware}: {status}, "
               f"step {plan.estimate.total_s * 1e3:.2f} ms (compute {plan.estimate.compute_s * 1e3:.2f} ms, "
               f"communication {plan.estimate.comm_s * 1e3:.2f} ms), "

@@ -41,12 +41,18 @@ from shardwise.plan.strategies import divides_evenly, flat_tensor_vals
 BASELINES = ("ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp")
 TP = "tp"
 
-# Megatron roles by parameter-name suffix (built-in llama and HF Llama/Mistral/Qwen2 names).
-COLUMN = re.compile(r"(wq|wk|wv|w1|w3|q_proj|k_proj|v_proj|gate_proj|up_proj|output|lm_head)\.weight$")
+# Megatron roles by parameter-name suffix (built-in llama and HF Llama/Mistral/Qwen2/Gemma
+# names, Phi-3's fused qkv_proj and gate_up_proj). Stored [out, in]: column-parallel is Shard(0).
+COLUMN = re.compile(
+    r"(wq|wk|wv|w1|w3|q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|output|lm_head)\.weight$")
 ROW = re.compile(r"(wo|w2|o_proj|down_proj)\.weight$")
-COLUMN_BIAS = re.compile(r"(q_proj|k_proj|v_proj)\.bias$")
+COLUMN_BIAS = re.compile(r"(q_proj|k_proj|v_proj|c_attn|c_fc)\.bias$")
+# GPT-2's Conv1D weights are stored [in, out], so its roles are the other dim: column-parallel
+# c_attn/c_fc split dim 1, row-parallel c_proj dim 0 (Megatron's GPT-2 layout).
+CONV1D_COLUMN = re.compile(r"(c_attn|c_fc)\.weight$")
+CONV1D_ROW = re.compile(r"c_proj\.weight$")
 # Embedding tables are split over the vocabulary (torchtitan's RowwiseParallel embedding).
-VOCAB = re.compile(r"(tok_embeddings|embed_tokens)\.weight$")
+VOCAB = re.compile(r"(tok_embeddings|embed_tokens|wte)\.weight$")
 
 aten = torch.ops.aten
 # The ops a decomposed RMSNorm ends in: their outputs are "the norm's output".
@@ -66,9 +72,9 @@ class BaselineSpec:
 
 
 def _tp_role(param: str, ndim: int) -> Placements | None:
-    if COLUMN.search(param) or COLUMN_BIAS.search(param) or VOCAB.search(param):
+    if COLUMN.search(param) or COLUMN_BIAS.search(param) or VOCAB.search(param) or CONV1D_ROW.search(param):
         return (Shard(0),)
-    if ROW.search(param) and ndim == 2:
+    if (ROW.search(param) or CONV1D_COLUMN.search(param)) and ndim == 2:
         return (Shard(1),)
     return (Replicate(),)
 

@@ -16,6 +16,7 @@ for the clustered problem: 32 identical layers cost one layer's variables.
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -90,32 +91,41 @@ def regions(traced: Traced) -> dict[fx.Node, int]:
     return region
 
 
-def _signature(group: list[fx.Node]) -> tuple:
+def _arg_signature(a, pos: dict[fx.Node, int]):
+    """An argument as the signature sees it: a node inside the region by its position, one
+    outside by its shape (copies read different but like-shaped values from outside), anything
+    else as itself."""
+    if isinstance(a, fx.Node):
+        if a in pos:
+            return ("in", pos[a])
+        av = a.meta.get("val")
+        return ("ext", tuple(av.shape) if isinstance(av, torch.Tensor) else None)
+    if isinstance(a, (list, tuple)):
+        return tuple(("in", pos[x]) if isinstance(x, fx.Node) and x in pos else
+                     ("ext",) if isinstance(x, fx.Node) else x for x in a)
+    return a
+
+
+def _signature(group: list[fx.Node], pinned: Mapping[str, Hashable]) -> tuple:
     pos = {n: i for i, n in enumerate(group)}
     sig = []
     for n in group:
         v = n.meta.get("val")
         shp = tuple(v.shape) if isinstance(v, torch.Tensor) else None
-        args = []
-        for a in n.args:
-            if isinstance(a, fx.Node):
-                if a in pos:
-                    args.append(("in", pos[a]))
-                else:
-                    av = a.meta.get("val")
-                    args.append(("ext", tuple(av.shape) if isinstance(av, torch.Tensor) else None))
-            elif isinstance(a, (list, tuple)):
-                args.append(tuple(("in", pos[x]) if isinstance(x, fx.Node) and x in pos else
-                                  ("ext",) if isinstance(x, fx.Node) else x for x in a))
-            else:
-                args.append(a)
-        sig.append((n.op, str(n.target) if n.op != "placeholder" else "param", shp, tuple(args),
-                    tuple(sorted((k, str(v)) for k, v in n.kwargs.items()))))
+        args = tuple(_arg_signature(a, pos) for a in n.args)
+        # Keyword arguments too (an attention mask passed as attn_mask= is a node like any other).
+        kwargs = tuple(sorted((k, str(_arg_signature(a, pos))) for k, a in n.kwargs.items()))
+        sig.append((n.op, str(n.target) if n.op != "placeholder" else "param", shp, args, kwargs,
+                    pinned.get(n.name)))
     return tuple(sig)
 
 
-def cluster(traced: Traced) -> Clustering:
-    """Cluster identical layers of ``traced`` (forward and backward separately)."""
+def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clustering:
+    """Cluster identical layers of ``traced`` (forward and backward separately). ``pinned``
+    maps placeholder names to what fixes them (a user constraint, a baseline's placement):
+    layers whose parameters are pinned differently are not identical, since a representative's
+    choice is every copy's."""
+    pinned = pinned or {}
     result = no_clustering(traced.gm)
     region = regions(traced)
     groups: dict[tuple[Phase, int], list[fx.Node]] = {}
@@ -124,7 +134,7 @@ def cluster(traced: Traced) -> Clustering:
             groups.setdefault((traced.phase(n), region[n]), []).append(n)
     by_sig: dict[tuple, list[list[fx.Node]]] = {}
     for (_phase, _layer), nodes in sorted(groups.items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
-        by_sig.setdefault((_phase, _signature(nodes)), []).append(nodes)
+        by_sig.setdefault((_phase, _signature(nodes, pinned)), []).append(nodes)
     index = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
     for copies in by_sig.values():
         if len(copies) < 2:
@@ -133,8 +143,12 @@ def cluster(traced: Traced) -> Clustering:
         # producers always have their own representatives planned before it.
         copies.sort(key=lambda c: index[c[0]])
         result.clusters.append(copies)
-        first = copies[0]
-        for copy in copies[1:]:
-            for n, r in zip(copy, first, strict=True):
+        # Each position is represented by its earliest copy in graph order, so strategies and
+        # variables are built for a representative before its copies. (Regions interleave: a
+        # forward value the backward saves, e.g. GPT-2's detached activations, sits in the graph
+        # among the forward nodes, in the reverse order of its layer's backward region.)
+        for position in zip(*copies, strict=True):
+            r = min(position, key=index.__getitem__)
+            for n in position:
                 result.rep[n] = r
     return result

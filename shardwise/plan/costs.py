@@ -63,8 +63,12 @@ class PlannerCosts:
         if facts is None:
             outs = flat_tensor_vals(node)
             args = [a.meta["val"] for a in tensor_args(node)]
-            key = (node.target, tuple(tuple(v.shape) for v in outs), tuple(tuple(a.shape) for a in args))
-            facts = self._node_facts[node] = (outs, args, key, node_cost(node) if outs else None)
+            glob = node_cost(node) if outs else None
+            # Shapes alone do not fix the cost: two einsums of the same shapes may contract
+            # different dims (a forward and a backward one), and the dtype sets the peak rate.
+            key = (node.target, tuple(tuple(v.shape) for v in outs), tuple(tuple(a.shape) for a in args),
+                   outs[0].dtype if outs else None, glob.flops if glob is not None else None)
+            facts = self._node_facts[node] = (outs, args, key, glob)
         outs, args, key, glob = facts
         if not outs:
             return 0.0

@@ -33,10 +33,15 @@ Memory per device, <= budget. Training:
   sum_params copies * sum_s x * local_numel(s) * (param + grad + optimizer-state bytes)
   + sum_{forward nodes read by backward} copies * sum_s x * local_bytes(out(s))
 Inference: the parameters' local bytes (a replicated 70B model does not fit an 80 GB device).
+
+Start point: a hand plan's choices (one strategy per deciding representative) fix x; each e is
+then 1 on the one pair its ends choose and each t the largest of its rows, a complete point that
+is checked against every row before HiGHS gets it as its first incumbent (``_start_vector``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import defaultdict
@@ -57,6 +62,7 @@ from shardwise.plan.plan import tensor_args
 from shardwise.plan.strategies import NodeStrategies, Strategy, intern
 from shardwise.stdio import native_stdout_silenced
 
+log = logging.getLogger(__name__)
 GRAD_SINK = -1  # argument index of a gradient -> parameter-placement edge
 LOSS_SINK = -2  # argument index of the loss -> Replicate edge
 # Relative MIP gap at which HiGHS may stop and report "optimal": tighter than the 1e-6 to which
@@ -67,6 +73,8 @@ MIP_REL_GAP = 1e-7
 OBJECTIVE_UNIT_S = 1e-6
 # ... and the memory row in GiB (in bytes its coefficients reach 1e11, far from the others').
 MEMORY_UNIT_BYTES = 2**30
+# HiGHS's default primal feasibility tolerance (option primal_feasibility_tolerance).
+FEASIBILITY_TOL = 1e-7
 
 
 # Optimizer state per parameter element, in bytes: Adam/AdamW keep two fp32 moments, SGD with
@@ -106,6 +114,8 @@ class IlpResult:
     build_s: float
     solve_s: float
     min_memory_bytes: int | None = None
+    bound_s: float = 0.0  # the solver's lower bound on the optimum (seconds)
+    start_s: float | None = None  # the objective at the start point handed to the solver, if any
 
 
 @dataclass
@@ -119,6 +129,11 @@ class _Model:
     starts: list[int] = field(default_factory=list)
     index: list[int] = field(default_factory=list)
     value: list[float] = field(default_factory=list)
+    # What a start point needs to fill in the continuous columns from the x it fixes: each edge
+    # variable's two ends (the x that make its producer yield p, its consumer need q), each move
+    # variable t's rows (t >= sum of terms).
+    ends: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    t_rows: dict[int, list[dict[int, float]]] = field(default_factory=dict)
 
     def var(self, cost: float, ub: float = 1.0, integer: bool = True, lb: float = 0.0) -> int:
         self.cost.append(cost)
@@ -181,7 +196,11 @@ def _strategy_vars(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[lis
 
 def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
           *, memory_budget: float | None = None, memory: MemoryModel | None = None,
-          time_limit_s: float = 60.0) -> IlpResult:
+          time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None) -> IlpResult:
+    """Solve the placement ILP. ``start`` (deciding representative -> strategy index, e.g. a
+    hand plan's choices) is handed to HiGHS as its first incumbent: the solver completes the
+    continuous edge variables and, if the point is feasible, never returns anything worse, so
+    a time limit costs only optimality."""
     t0 = time.perf_counter()
     memory = memory or MemoryModel()
     m = _Model()
@@ -284,6 +303,15 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                        for i in m.integer]
     h.passModel(lp)
+    start_s = None
+    if start is not None:
+        val = _start_vector(m, deciding, start, one)
+        bad = _violated_rows(m, val)
+        if bad:
+            log.warning("the start point breaks %d rows of the placement ILP; solving without it", bad)
+        else:
+            start_s = float(np.dot(m.cost, val))
+            h.setSolution(len(val), np.arange(len(val), dtype=np.int32), val)
     h.run()
     solve_s = time.perf_counter() - t1
     status = h.getModelStatus()
@@ -295,12 +323,48 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         label = "feasible"
     else:
         label = "infeasible" if status == highspy.HighsModelStatus.kInfeasible else "unsolved"
-        return IlpResult(label, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem)
+        return IlpResult(label, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem,
+                         bound_s=_bound_s(float(info.mip_dual_bound)), start_s=start_s)
     sol = np.asarray(h.getSolution().col_value)
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
-    return IlpResult(label, float(info.objective_function_value) * OBJECTIVE_UNIT_S, float(info.mip_gap),
-                     choice, nv, nr,
-                     build_s, solve_s, min_mem)
+    objective = float(info.objective_function_value) * OBJECTIVE_UNIT_S
+    bound = min(_bound_s(float(info.mip_dual_bound)), objective)
+    # The relative gap from the normalised bound (HiGHS says inf while it has no bound).
+    gap = 0.0 if label == "optimal" or objective <= 0.0 else (objective - bound) / objective
+    return IlpResult(label, objective, gap, choice, nv, nr, build_s, solve_s, min_mem, bound_s=bound,
+                     start_s=start_s)
+
+
+def _bound_s(dual_bound: float) -> float:
+    """The solver's lower bound in seconds; 0 (every cost is non-negative) before it has one."""
+    return max(0.0, dual_bound * OBJECTIVE_UNIT_S) if math.isfinite(dual_bound) else 0.0
+
+
+def _start_vector(m: _Model, deciding: dict[fx.Node, list[int]], start: dict[fx.Node, int],
+                  one: int) -> np.ndarray:
+    """``start`` as a complete point of the model: the one-hot x of every deciding
+    representative (a follower's x are its producer's), each edge variable 1 where both its ends
+    are chosen, each move variable t at the largest of its rows. (Given only the x, HiGHS
+    completes a point by a sub-MIP, which on llama3-8b can take the whole time limit.)"""
+    val = np.zeros(len(m.cost))
+    val[one] = 1.0
+    for r, vs in deciding.items():
+        if r in start:
+            val[vs[start[r]]] = 1.0
+    for col, (src, dst) in m.ends.items():
+        val[col] = float(val[src].sum() > 0.5 and val[dst].sum() > 0.5)
+    for t, rows in m.t_rows.items():
+        val[t] = max(0.0, *(sum(c * val[e] for e, c in terms.items()) for terms in rows))
+    return val
+
+
+def _violated_rows(m: _Model, val: np.ndarray) -> int:
+    """How many rows ``val`` breaks (beyond HiGHS's feasibility tolerance)."""
+    activity = np.zeros(len(m.row_lb))
+    rows = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
+    np.add.at(activity, rows, np.array(m.value) * val[np.array(m.index, dtype=np.int64)])
+    lo, hi = np.array(m.row_lb), np.array(m.row_ub)
+    return int(((activity < lo - FEASIBILITY_TOL) | (activity > hi + FEASIBILITY_TOL)).sum())
 
 
 def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Placements, list[int]],
@@ -313,6 +377,8 @@ def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Place
     cols = np.full(times.shape, -1, dtype=np.int64)
     n = int(finite.sum())
     cols[finite] = m.vars(n) + np.arange(n)
+    for i, j in zip(*np.nonzero(finite), strict=True):
+        m.ends[int(cols[i, j])] = (supply[srcs[i]], demand[dsts[j]])
     for j, q in enumerate(dsts):
         row = dict.fromkeys(demand[q], -1.0)
         row.update(dict.fromkeys(cols[finite[:, j], j].tolist(), 1.0))
@@ -343,8 +409,11 @@ def _charge_moves(m: _Model, edges: list[_Paid], copies: int) -> None:
             continue
         # t counts microseconds, so the rows' coefficients are not down at HiGHS's tolerances.
         t = m.var(copies * OBJECTIVE_UNIT_S, ub=math.inf, integer=False)
+        m.t_rows[t] = []
         for terms in per_edge.values():
-            m.row(-math.inf, 0.0, {**{e: c / OBJECTIVE_UNIT_S for e, c in terms.items()}, t: -1.0})
+            scaled = {e: c / OBJECTIVE_UNIT_S for e, c in terms.items()}
+            m.t_rows[t].append(scaled)
+            m.row(-math.inf, 0.0, {**scaled, t: -1.0})
 
 
 def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],

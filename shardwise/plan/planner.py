@@ -1,9 +1,11 @@
 """The planning driver: trace -> clusters -> strategies -> ILP -> Plan, with timings.
 
 ``make_plan(traced, mesh)`` gives the auto plan; ``baseline="fsdp"`` (etc.) the best plan that
-keeps a hand-written plan's fixed choices (see ``baselines.py``). Both are priced by the same
-cost model, and ``estimate`` re-prices any plan node by node, which is also how the report's
-collectives and memory are computed.
+keeps a hand-written plan's fixed choices (see ``baselines.py``); ``plan_with_baselines`` prices
+the hand plans first and starts the auto solve from the cheapest that fits, keeping it where the
+solver finds nothing better in its time (so the auto plan is never dearer than a hand plan).
+All are priced by the same cost model, and ``estimate`` re-prices any plan node by node,
+which is also how the report's collectives and memory are computed.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
@@ -22,10 +24,10 @@ from shardwise.cost.units import format_bytes
 from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
-from shardwise.plan.baselines import BaselineSpec, baseline_spec, node_filter, tensor_parallel_uses
+from shardwise.plan.baselines import BASELINES, BaselineSpec, baseline_spec, node_filter, tensor_parallel_uses
 from shardwise.plan.cluster import Clustering, cluster, no_clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
-from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, MemoryModel, chosen_strategy, solve
+from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, IlpResult, MemoryModel, chosen_strategy, solve
 from shardwise.plan.placement import Placements, on_mesh, placements_str
 from shardwise.plan.plan import CollectiveCount, Estimate, NodeSpec, Plan, graph_fingerprint, tensor_args
 from shardwise.plan.strategies import NodeStrategies, Strategy, enumerate_strategies
@@ -64,9 +66,13 @@ def make_plan(
     time_limit_s: float = 60.0,
     memory: MemoryModel | None = None,
     on_phase: Callable[[str], None] | None = None,
+    start_from: Sequence[Plan] = (),
 ) -> Plan | None:
     """Plan ``traced`` over ``mesh``. Returns None when ``baseline`` does not apply to this mesh.
-    ``on_phase`` is told what the planner is doing (for progress displays)."""
+    ``on_phase`` is told what the planner is doing (for progress displays). ``start_from``: plans
+    of the same graph and mesh (the hand-written baselines) the solver starts from; the cheapest
+    one that is a point of this ILP becomes its first incumbent, so the result is never dearer
+    than it, even when the time limit stops the search (see ``plan_with_baselines``)."""
     say = on_phase or (lambda _phase: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -76,12 +82,13 @@ def make_plan(
         if spec is None:
             return None
     budget = default_budget(mesh) if memory_budget is None else memory_budget
-    clus = cluster(traced) if clustering else no_clustering(traced.gm)
+    fixed = _fixed_placeholders(traced, spec, constraints)
+    clus = cluster(traced, fixed) if clustering else no_clustering(traced.gm)
     timings["cluster_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
     say("enumerating strategies")
-    allowed = _placeholder_filter(traced, spec, constraints, mesh)
+    allowed = _placeholder_filter(fixed, mesh)
     ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
     if spec is not None and not _fix_baseline_choices(spec, traced, ns, mesh, clus):
         return None
@@ -96,7 +103,11 @@ def make_plan(
 
     costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
     say(f"solving the placement ILP (limit {time_limit_s:g} s)")
-    res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s)
+    start, started_from = _start_point(traced, ns, clus, start_from, budget)
+    res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
+                start=start.choice if start is not None else None)
+    if start is not None:
+        res = _never_worse(res, start)
     timings["ilp_build_s"] = res.build_s
     timings["solve_s"] = res.solve_s
     if res.status in NO_PLAN:
@@ -116,16 +127,105 @@ def make_plan(
     plan.params = {p: plan.nodes[ph].output[0] for p, ph in traced.params.items()}
     plan.outputs = _output_placements(traced, plan, mesh)
     plan.fallback_ops = sorted({str(n.target) for n, st in ns.items() if st.fallback})
-    estimate(traced, plan, costs, memory)
+    est = estimate(traced, plan, costs, memory).total_s
+    objective = res.objective_s
+    if res.status != "optimal" and est < objective:
+        # An incumbent cut short may carry slack in its continuous move variables (t >= ... is
+        # only bounded below); its placements priced exactly are what the plan costs.
+        objective = est
+        plan.mip_gap = (est - res.bound_s) / est if est > 0.0 else 0.0
     timings["total_s"] = time.perf_counter() - t0
     plan.info = {
-        "objective_s": res.objective_s, "timings": timings, "memory_budget_bytes": budget,
+        "objective_s": objective, "bound_s": res.bound_s, "started_from": started_from,
+        "start_s": res.start_s, "timings": timings, "memory_budget_bytes": budget,
         "ilp": {"variables": res.n_vars, "constraints": res.n_rows, "clusters": len(clus.clusters),
                 "representatives": len(clus.representatives), "nodes": len(clus.rep)},
     }
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
     return plan
+
+
+def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] = BASELINES,
+                        on_phase: Callable[[str], None] | None = None,
+                        **options) -> tuple[Plan, dict[str, Plan | None]]:
+    """The hand-written baselines (None where one does not apply), then the auto plan started
+    from the cheapest of them that fits: (auto, {name: baseline}). ``options`` go to every
+    ``make_plan`` call; the user's constraints bind the auto plan only (a baseline that breaks
+    them is no start point: the ILP rejects it)."""
+    say = on_phase or (lambda _phase: None)
+    constraints = options.pop("constraints", None)
+    _fixed_placeholders(traced, None, constraints)  # refuse a bad constraint before the baselines
+    plans: dict[str, Plan | None] = {}
+    for name in baselines:
+        say(f"pricing the {name} baseline")
+        plans[name] = make_plan(traced, mesh, baseline=name, **options)
+    starts = [b for b in plans.values() if b is not None and b.status not in NO_PLAN]
+    auto = make_plan(traced, mesh, constraints=constraints, on_phase=on_phase, start_from=starts, **options)
+    return auto, plans
+
+
+@dataclass(frozen=True)
+class _Start:
+    """A plan the solver starts from: its choice at every representative and its step time."""
+
+    choice: dict[fx.Node, int]
+    objective_s: float
+
+
+def _start_point(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
+                 plans: Sequence[Plan], budget: float) -> tuple[_Start | None, str | None]:
+    """The cheapest plan in ``plans`` that fits ``budget`` and runs, at every representative, a
+    strategy this ILP offers (followers: the one their producer implies); and its name. (None,
+    None) when none qualifies."""
+    for plan in sorted(plans, key=lambda p: p.estimate.total_s):
+        if plan.estimate.memory_bytes > budget or plan.fingerprint != graph_fingerprint(traced.gm):
+            continue
+        choice = _choices_of(plan, ns, clus)
+        if choice is not None:
+            return _Start(choice, plan.estimate.total_s), plan.name
+        log.debug("plan %s is no point of this ILP: not a start", plan.name)
+    return None, None
+
+
+def _never_worse(res: IlpResult, start: _Start) -> IlpResult:
+    """The solver's result, or the start point where the solver found nothing better (its time
+    ran out before it read the start, say), with the solver's bound and the gap to it."""
+    # Plans within this relative margin of each other cost the same (float rounding of the sums).
+    tie = 1e-9
+    # The ILP's own price of the start point where the solver was given it (the same as the
+    # start plan's estimate: the two are priced alike).
+    price = res.start_s if res.start_s is not None else start.objective_s
+    if res.status not in NO_PLAN and res.objective_s <= price * (1.0 + tie):
+        return res
+    bound = min(res.bound_s, price)
+    gap = (price - bound) / price if price > 0.0 else 0.0
+    return replace(res, status="feasible" if gap > tie else "optimal", objective_s=price,
+                   mip_gap=gap, bound_s=bound, choice=start.choice)
+
+
+def _choices_of(plan: Plan, ns: dict[fx.Node, NodeStrategies], clus: Clustering) -> dict[fx.Node, int] | None:
+    """``plan``'s strategy index at every representative (a follower: the strategy reading what
+    its producer yields), or None where ``plan`` is no point of this ILP: some node's placements
+    are not among its strategies here, or a follower reads its producer in another placement."""
+    choice: dict[fx.Node, int] = {}
+    for r in clus.representatives:  # graph order: producers first
+        st = ns.get(r)
+        if st is None or st.alias_of is not None or r.op == "output":
+            continue
+        spec = plan.nodes.get(r.name)
+        if spec is None:
+            return None
+        want = Strategy(spec.output, spec.inputs)
+        if st.follows is not None:
+            supplied = chosen_strategy(ns, clus, choice, st.follows).output[0]
+            if want.inputs[:1] != (supplied,):
+                return None
+        index = next((i for i, s in enumerate(st.strategies) if s == want), None)
+        if index is None:
+            return None
+        choice[r] = index
+    return choice
 
 
 def no_plan_reason(plan: Plan) -> str:
@@ -158,8 +258,9 @@ def _fix_baseline_choices(spec: BaselineSpec, traced: Traced, ns: dict[fx.Node, 
     return spec.norm_layout is None or tensor_parallel_uses(spec, traced, ns, mesh, clus.rep)
 
 
-def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: Constraints | None,
-                        mesh: Mesh):
+def _fixed_placeholders(traced: Traced, spec: BaselineSpec | None,
+                        constraints: Constraints | None) -> dict[str, Placements]:
+    """Placeholder name -> the placements a baseline or the user fixes it in."""
     fixed: dict[str, Placements] = dict(spec.fixed) if spec is not None else {}
     if constraints is not None:
         for pname, ps in constraints.params.items():
@@ -171,7 +272,10 @@ def _placeholder_filter(traced: Traced, spec: BaselineSpec | None, constraints: 
                 raise UserError(f"the constraint names input {iname!r}; inputs are "
                                 f"{', '.join(traced.inputs)}.")
             fixed[iname] = ps
+    return fixed
 
+
+def _placeholder_filter(fixed: dict[str, Placements], mesh: Mesh) -> Callable[[fx.Node, Placements], bool]:
     def allowed(node: fx.Node, ps: Placements) -> bool:
         want = fixed.get(node.name)
         return want is None or ps == on_mesh(want, mesh.shape)

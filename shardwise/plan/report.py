@@ -58,6 +58,9 @@ def plan_summary(plan: Plan) -> dict:
         "status": plan.status,
         "objective_s": plan.info.get("objective_s"),
         "mip_gap": plan.mip_gap,
+        # The solver's lower bound on the optimum, and the hand plan it started from (if any).
+        "bound_s": plan.info.get("bound_s"),
+        "started_from": plan.info.get("started_from"),
         "estimate": {"compute_s": plan.estimate.compute_s, "comm_s": plan.estimate.comm_s,
                      "total_s": plan.estimate.total_s},
         "params": {k: placements_str(v) for k, v in plan.params.items()},

@@ -16,8 +16,8 @@ from shardwise.ir.trace import trace
 from shardwise.mesh import Mesh
 from shardwise.plan import Plan, make_plan
 
-JSON_KEYS = {"status", "objective_s", "mip_gap", "timings", "ilp", "baselines", "params", "outputs",
-             "memory_per_device_bytes", "collectives", "fallback_ops", "estimate"}
+JSON_KEYS = {"status", "objective_s", "mip_gap", "bound_s", "started_from", "timings", "ilp", "baselines",
+             "params", "outputs", "memory_per_device_bytes", "collectives", "fallback_ops", "estimate"}
 TINY = ["--model", "llama-tiny", "--layers", "1", "--batch", "8", "--seq", "32"]
 
 
@@ -93,6 +93,8 @@ def test_the_optimizer_state_counts_in_memory(capsys):
     (["--mesh", "2", "--constrain", "output.weight=R,R"], "2 placements for a 1-dim mesh"),
     (["--mesh", "2", "--memory", "1KiB", "--no-baselines"], "fully-sharded minimum"),
     (["--mesh", "2", "--hardware", "tpu9"], "tpu9"),
+    (["--mesh", "2", "--constrain", "layers.*.attn.wq.weight=R"], "matches no parameter, input or output"),
+    (["--mesh", "2", "--constrain", "output:*=R"], "matches no parameter"),  # training: no outputs
 ])
 def test_bad_input_is_one_sentence_and_exit_2(capsys, argv, needle):
     assert main(["plan", *TINY, *argv]) == 2
@@ -120,3 +122,44 @@ def test_op_without_strategy_is_named_and_planned_replicated(caplog):
     assert "shardwise.segment_set.default" in caplog.text
     seg = next(n for n in traced.gm.graph.nodes if "segment_set" in str(n.target))
     assert all(isinstance(p, Replicate) for p in plan.nodes[seg.name].output[0])
+
+
+WQ = "layers.{}.attention.wq.weight"
+TWO_LAYERS = ["plan", *TINY, "--layers", "2", "--mesh", "2", "--json", "--no-baselines"]
+
+
+def _params(capsys, *constraints: str) -> dict[str, list[str]]:
+    argv = [*TWO_LAYERS, *(x for c in constraints for x in ("--constrain", c))]
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)["params"]
+
+
+def test_a_glob_constrains_every_parameter_it_matches(capsys):
+    free = _params(capsys)
+    assert free[WQ.format(0)] != ["S(1)"]  # so the constraint below changes something
+    held = _params(capsys, "layers.*.attention.w[qk].weight=S(1)")
+    for layer in (0, 1):
+        for w in ("wq", "wk"):
+            assert held[f"layers.{layer}.attention.{w}.weight"] == ["S(1)"]
+    assert held["layers.0.attention.wv.weight"] == free["layers.0.attention.wv.weight"]
+
+
+def test_a_later_constraint_overrides_an_earlier_glob(capsys):
+    held = _params(capsys, "layers.*.attention.wq.weight=S(1)", f"{WQ.format(0)}=S(0)")
+    assert held[WQ.format(0)] == ["S(0)"] and held[WQ.format(1)] == ["S(1)"]
+
+
+def test_a_constraint_on_one_clustered_layer_holds_for_that_layer_only(capsys):
+    """Layer 1 is a copy of layer 0 in the clustering: pinning only its weight must split it off
+    rather than be overridden by layer 0's choice (or impose itself on layer 0)."""
+    free = _params(capsys)
+    held = _params(capsys, f"{WQ.format(1)}=S(1)")
+    assert held[WQ.format(1)] == ["S(1)"]
+    assert held[WQ.format(0)] == free[WQ.format(0)] != ["S(1)"]
+
+
+def test_a_glob_over_inputs_and_outputs(capsys):
+    base = ["plan", *TINY, "--inference", "--mesh", "2", "--json", "--no-baselines"]
+    assert main([*base, "--constrain", "output:?=R", "--constrain", "tok*=S(0)"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["outputs"] == [["R"]]

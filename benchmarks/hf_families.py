@@ -1,0 +1,78 @@
+"""Planning Hugging Face families against the hand-written plans (issue 15, items 1 and 5).
+
+Each case runs ``shardwise plan --json`` on a config written by hand from the family's published
+hyper-parameters (tests/data), as a subprocess timed from outside (tracing, the four baselines
+and the auto solve included). Targets: no fallback ops, the auto plan's step time <= the best
+applicable hand plan's, in <= 60 s wall on a 2-core machine.
+
+    .venv/bin/python benchmarks/hf_families.py [--json] [--cases phi3:2,qwen2-7b:28,...] [--time-limit 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+# name -> (config, layers, mesh, batch, seq). Phi-3 and Qwen2-7B are the cases of issue 15.
+CASES = {
+    "phi3:2": ("phi3.json", 2, "2x4", 8, 1024),
+    "phi3:32": ("phi3.json", 32, "2x4", 8, 1024),
+    "qwen2-7b:28": ("qwen2_7b.json", 28, "8x8", 16, 4096),
+    "gemma-2b:18": ("gemma_2b.json", 18, "2x4", 8, 2048),
+    "gpt2:12": ("gpt2.json", 12, "2x4", 8, 1024),
+}
+TARGET_WALL_S = 60.0
+# Relative slack when comparing step times (the sums are rounded differently).
+TIE = 1e-9
+
+
+def measure(key: str, time_limit_s: float) -> dict:
+    config, layers, mesh, batch, seq = CASES[key]
+    argv = [sys.executable, "-m", "shardwise", "plan", "--model", f"hf:{DATA / config}",
+            "--layers", str(layers), "--mesh", mesh, "--mesh-names", "dp,tp", "--batch", str(batch),
+            "--seq", str(seq), "--time-limit", str(time_limit_s), "--json"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"case": key, "status": "error: " + proc.stderr.strip().splitlines()[-1][:80]}
+    out = json.loads(proc.stdout)
+    hand = {k: v for k, v in out["baselines"].items() if v is not None}
+    best = min(hand, key=hand.get) if hand else None
+    auto = out["estimate"]["total_s"]
+    return {
+        "case": key, "mesh": mesh, "status": out["status"], "auto_ms": auto * 1e3,
+        "best_hand": best or "-", "best_hand_ms": hand[best] * 1e3 if best else float("nan"),
+        "auto_le_hand": best is None or auto <= hand[best] * (1 + TIE), "gap": out["mip_gap"],
+        "start": out["started_from"] or "-", "fallback_ops": len(out["fallback_ops"]),
+        "variables": out["ilp"]["variables"], "wall_s": wall, "target_s": TARGET_WALL_S,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--time-limit", type=float, default=30.0,
+                    help="the auto solve's (and each baseline's) time limit")
+    args = ap.parse_args()
+    rows = [measure(key, args.time_limit) for key in args.cases.split(",")]
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    cols = ("case", "mesh", "status", "auto_ms", "best_hand", "best_hand_ms", "auto_le_hand", "gap", "start",
+            "fallback_ops", "variables", "wall_s", "target_s")
+    print(" ".join(f"{c:>12}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{r.get(c, ''):>12.3f}" if isinstance(r.get(c), float) else f"{r.get(c, '')!s:>12}"
+                       for c in cols))
+
+
+if __name__ == "__main__":
+    main()
