@@ -165,6 +165,22 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
     return auto, plans
 
 
+def plan_named(traced: Traced, mesh: Mesh, name: str, **options) -> Plan:
+    """The plan called ``name``: ``auto`` (started from the best hand plan, so never dearer) or
+    a baseline; one clear error when it does not apply or nothing fits."""
+    if name == "auto":
+        plan: Plan | None = plan_with_baselines(traced, mesh, **options)[0]
+    else:
+        plan = make_plan(traced, mesh, baseline=name, **options)
+    if plan is None:
+        need = " and a mesh dim named tp" if "tp" in name else ""
+        raise UserError(f"the {name} plan does not apply to mesh {mesh}; it needs a batch and weights the "
+                        f"mesh divides{need}.")
+    if plan.status in NO_PLAN:
+        raise UserError(f"plan {name}: {no_plan_reason(plan)}")
+    return plan
+
+
 @dataclass(frozen=True)
 class _Start:
     """A plan the solver starts from: its choice at every representative and its step time."""

@@ -495,16 +495,9 @@ class _params_as_fakes:
 
 
 def _solve(traced: Traced, mesh: Mesh, plan: str, time_limit_s: float, constraints=None) -> Plan:
-    from shardwise.plan.planner import NO_PLAN, make_plan, no_plan_reason
+    from shardwise.plan.planner import plan_named
 
-    made = make_plan(traced, mesh, baseline=None if plan == "auto" else plan, time_limit_s=time_limit_s,
-                     constraints=constraints)
-    if made is None:
-        raise UserError(f"the {plan} plan does not apply to mesh {mesh}; it needs a batch and weights "
-                        "the mesh divides" + (" and a mesh dim named tp." if "tp" in plan else "."))
-    if made.status in NO_PLAN:
-        raise UserError(f"plan {plan}: {no_plan_reason(made)}")
-    return made
+    return plan_named(traced, mesh, plan, time_limit_s=time_limit_s, constraints=constraints)
 
 
 def parallelize(model: nn.Module | str, mesh: Mesh | DeviceMesh | str,

@@ -91,7 +91,7 @@ def test_a_plan_that_does_not_fit_is_refused_before_running(capsys):
     """DDP keeps all of llama3-8b with its Adam state on every rank: it cannot fit an H100."""
     err = _error(capsys, "--model", "llama3-8b", "--batch", "4", "--seq", "128", "--mesh", "2x2",
                  "--plan", "ddp")
-    assert "--plan ddp: no plan fits" in err and "the ddp plan needs at least" in err
+    assert "plan ddp: no plan fits" in err and "the ddp plan needs at least" in err
 
 
 def test_unknown_plan_and_pass_are_refused(capsys):
