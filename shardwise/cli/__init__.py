@@ -13,7 +13,7 @@ import sys
 from shardwise.errors import UserError
 
 # Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ("trace", "plan", "run", "cost", "segment")
+COMMANDS = ("trace", "plan", "run", "cost", "segment", "estimate")
 
 
 class _Parser(argparse.ArgumentParser):

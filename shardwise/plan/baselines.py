@@ -22,6 +22,7 @@ do not divide, a weight ``tp`` does not divide) is ``None``.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,11 +114,15 @@ def baseline_spec(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | None:
 
 def batch_nodes(traced: Traced) -> frozenset[str]:
     """Computed values that carry the batch: they depend on the inputs and their dim 0 is the
-    batch (flattened tokens, losses and weight gradients do not qualify; views follow whatever
-    they view)."""
+    batch or the flattened tokens (losses and weight gradients do not qualify; views follow
+    whatever they view)."""
     if not traced.inputs:
         return frozenset()
-    batch = traced.node(traced.inputs[0]).meta["val"].shape[0]
+    shape = traced.node(traced.inputs[0]).meta["val"].shape
+    # The batch dim, or the batch and sequence flattened into tokens (the logits and the loss
+    # read [tokens, vocab]): torchtitan's data parallelism keeps both split, so no rank ever
+    # holds another rank's logits.
+    batch = {shape[0], math.prod(shape[:2])} if len(shape) >= 2 else {shape[0]}
     reached = {traced.node(i) for i in traced.inputs}
     out = set()
     for n in traced.gm.graph.nodes:
@@ -125,7 +130,7 @@ def batch_nodes(traced: Traced) -> frozenset[str]:
             continue
         reached.add(n)
         val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() >= 1 and val.shape[0] == batch and not is_view(n):
+        if isinstance(val, torch.Tensor) and val.dim() >= 1 and val.shape[0] in batch and not is_view(n):
             out.add(n.name)
     return frozenset(out)
 
