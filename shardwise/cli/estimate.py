@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError("--timeline needs the whole step traced; drop --extrapolate-from.")
     budget = parse_bytes(args.memory) if args.memory else None
     opts = {"ac": ACPolicy(args.ac), "compile": args.compile, "async_tp": args.async_tp}
-    with _native_stdout_to_stderr():
+    with _quiet_native_stdout():
         est = estimate_step(args.model, mesh, args.plan, opts, batch=args.batch, seq=args.seq,
                             layers=args.layers, dtype=args.dtype, memory_budget=budget,
                             extrapolate_from=args.extrapolate_from, time_limit_s=args.time_limit)
@@ -102,14 +102,17 @@ def _print(out: dict) -> None:
 
 
 @contextmanager
-def _native_stdout_to_stderr() -> Iterator[None]:
-    """Send what native code prints (the solver's banner) to stderr: --json's stdout is one object."""
+def _quiet_native_stdout() -> Iterator[None]:
+    """Drop what native code prints to stdout while planning (the solver's banner): --json's
+    stdout is one object and an error is one sentence on stderr."""
     sys.stdout.flush()
     saved = os.dup(1)
-    os.dup2(2, 1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
     try:
         yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+        os.close(devnull)

@@ -136,14 +136,17 @@ def plan_for(traced: Traced, mesh: Mesh, plan: str, time_limit_s: float = 60.0) 
     return p
 
 
-def uses_tp(plan: Plan) -> bool:
-    """The plan shards some parameter over a mesh dim named ``tp``."""
+def uses_tp(plan: Plan, traced: Traced) -> bool:
+    """The plan is tensor-parallel over a mesh dim named ``tp``: it shards some parameter there
+    and does not split the batch there (FSDP over every dim shards both)."""
     from torch.distributed.tensor import Shard
 
     if "tp" not in plan.mesh_names:
         return False
     d = list(plan.mesh_names).index("tp")
-    return plan.mesh_shape[d] > 1 and any(isinstance(ps[d], Shard) for ps in plan.params.values())
+    batch_split = any(plan.nodes[i].output[0][d] == Shard(0) for i in traced.inputs if i in plan.nodes)
+    return (plan.mesh_shape[d] > 1 and not batch_split
+            and any(isinstance(ps[d], Shard) for ps in plan.params.values()))
 
 
 def estimate_step(model: str, mesh: Mesh, plan: str, opts: dict, *, batch: int | None = None,
@@ -165,7 +168,7 @@ def estimate_step(model: str, mesh: Mesh, plan: str, opts: dict, *, batch: int |
         traced = trace_model(model, train=True, layers=n_layers, batch=batch, seq=seq, dtype=dtype)
         canonicalize(traced)
         p = plan_for(traced, mesh, plan, time_limit_s)
-        if opts.get("async_tp") and not uses_tp(p):
+        if opts.get("async_tp") and not uses_tp(p, traced):
             raise UserError(f"--async-tp needs a plan that shards weights over a 'tp' mesh dim; the "
                             f"{p.name} plan on mesh {mesh} has none.")
         sched = schedule_step(traced, p, topo, torchtitan_options(traced, **opts))
