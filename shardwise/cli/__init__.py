@@ -6,11 +6,13 @@ prints the human report itself. ``UserError`` becomes one sentence on stderr and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
 
 from shardwise.errors import UserError
+from shardwise.stdio import stdout_to_stderr
 
 # Subcommand modules, in the order ``--help`` lists them.
 COMMANDS = ("trace", "plan", "run", "cost", "segment", "estimate")
@@ -49,8 +51,12 @@ def add_model_options(p: argparse.ArgumentParser, default_model: str = "llama3-8
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # With --json, stdout carries one JSON object: whatever the command, its libraries or their
+    # native code print meanwhile goes to stderr.
+    guard = stdout_to_stderr() if getattr(args, "json", False) else contextlib.nullcontext()
     try:
-        result = args.handler(args)
+        with guard:
+            result = args.handler(args)
     except UserError as e:
         sys.stderr.write(f"shardwise {args.command}: error: {e}\n")
         return 2

@@ -8,7 +8,11 @@ the single-process fp32 reference.
 ``--json`` prints ``{"world_size", "plan", "loss", "loss_ref", "max_rel_err",
 "collectives": {"predicted": {kind: {"count", "bytes"}}, "measured": {...}}, "rewrites", "wall_s"}``
 (``predicted`` is the plan's; ``measured`` what rank 0 executed; every rank's counts are checked
-equal). A failed or hung rank: one sentence naming it on stderr, exit code 1.
+equal). With ``--ac selective|full`` the remat pass rewrites a copy of the per-rank program, both
+programs run (on every rank, in one launch) and the JSON gains ``"ac": {"policy",
+"recomputed_nodes", "saved_activation_bytes": {"without", "with"}}``: the forward activations
+alive when the backward starts, measured on the ranks (largest rank); the loss, gradients and
+check are the rematerialised program's. A failed or hung rank: one sentence naming it on stderr, exit code 1.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--passes", default="", help="graph passes to run on the per-rank program, e.g. "
                    "sequence_parallel,collective_matmul")
+    p.add_argument("--ac", default="none", help="activation checkpointing of the per-rank training "
+                   "program: none | selective | full (the remat pass, run after --passes)")
     p.add_argument("--check", action="store_true", help="compare with the single-process fp32 reference")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent rank counts as hung")
@@ -77,6 +83,35 @@ def make_plan_for(choice: str, traced, mesh, model: str, train: bool):
     return plan
 
 
+def _ac_policy(name: str, train: bool):
+    """The ``--ac`` policy, None for ``none``; refused with ``--inference`` (nothing to save)."""
+    from shardwise.passes.remat import ACPolicy, parse_policy
+
+    policy = parse_policy(name)
+    if policy is ACPolicy.NONE:
+        return None
+    if not train:
+        raise UserError(f"--ac {policy.value} recomputes activations for the backward, and an "
+                        "--inference run has no backward; drop --ac or --inference.")
+    return policy
+
+
+def with_remat(program, policy):
+    """A copy of ``program`` whose graph the remat pass rewrote under ``policy``, and the number
+    of nodes it recomputes (the original program is left as it was, to measure against)."""
+    import copy
+    import dataclasses
+
+    from torch import fx
+
+    from shardwise.passes import remat
+
+    gm = fx.GraphModule(program.gm, copy.deepcopy(program.gm.graph))
+    done = remat.apply(gm, policy)
+    return dataclasses.replace(program, gm=gm, passes=[*program.passes, "remat"],
+                               rewrites={**program.rewrites, "remat": done}), done
+
+
 def run(args: argparse.Namespace) -> dict:
     from shardwise.ir.trace import trace_model
     from shardwise.lower import lower
@@ -85,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.passes import PASSES
     from shardwise.passes.pipeline import canonicalize
     from shardwise.runtime.counter import as_json
-    from shardwise.runtime.launch import RunError, _check_backend
+    from shardwise.runtime.launch import RunError, _check_backend, run_many
     from shardwise.runtime.launch import run as run_program
 
     t0 = time.perf_counter()
@@ -96,6 +131,7 @@ def run(args: argparse.Namespace) -> dict:
         if name not in PASSES:
             raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
     train = not args.inference
+    ac = _ac_policy(args.ac, train)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
     check_batch(spec.batch, mesh)
     traced = trace_model(args.model, train=train, layers=args.layers, batch=args.batch, seq=args.seq,
@@ -106,7 +142,14 @@ def run(args: argparse.Namespace) -> dict:
     program.model = spec
     rewrites = program.apply_passes(passes)
     try:
-        res = run_program(program, args.backend, check=args.check, seed=args.seed, timeout_s=args.timeout)
+        if ac is None:
+            res = run_program(program, args.backend, check=args.check, seed=args.seed, timeout_s=args.timeout)
+        else:
+            # The program without and with remat run together, both measured on every rank.
+            rematted, recomputed = with_remat(program, ac)
+            rewrites = {**rewrites, "remat": recomputed}
+            base, res = run_many([program, rematted], args.backend, check=args.check, seed=args.seed,
+                                 timeout_s=args.timeout, measure_activations=True) or (None, None)
     except RunError as e:
         sys.stderr.write(f"shardwise run: error: {e}\n")
         raise SystemExit(RANK_FAILED_EXIT) from None
@@ -126,6 +169,10 @@ def run(args: argparse.Namespace) -> dict:
         "rewrites": rewrites,
         "wall_s": round(time.perf_counter() - t0, 3),
     }
+    if ac is not None:
+        result["ac"] = {"policy": ac.value, "recomputed_nodes": rewrites["remat"],
+                        "saved_activation_bytes": {"without": base.saved_activation_bytes,
+                                                   "with": res.saved_activation_bytes}}
     if not args.json:
         _report(result, res, mesh)
     return result

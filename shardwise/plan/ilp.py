@@ -55,6 +55,7 @@ from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.placement import Placements
 from shardwise.plan.plan import tensor_args
 from shardwise.plan.strategies import NodeStrategies, Strategy, intern
+from shardwise.stdio import native_stdout_silenced
 
 GRAD_SINK = -1  # argument index of a gradient -> parameter-placement edge
 LOSS_SINK = -2  # argument index of the loss -> Replicate edge
@@ -261,8 +262,9 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
 
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    with native_stdout_silenced():  # HiGHS prints its banner on stdout as it is built
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     h.setOptionValue("threads", 1)

@@ -44,6 +44,7 @@ from shardwise.errors import UserError
 from shardwise.lower.spmd import SPMDProgram, rename_groups
 from shardwise.plan.plan import CollectiveCount
 from shardwise.runtime import wire
+from shardwise.runtime.activations import backward_start_name, run_measured
 from shardwise.runtime.counter import CollectiveCounter, count_graph
 from shardwise.runtime.wire import WireGraph
 
@@ -111,6 +112,9 @@ class RunResult:
     max_rel_err: float | None = None
     worst: str | None = None  # the tensor with the largest relative error
     rank_measured: list[dict[str, CollectiveCount]] = field(default_factory=list)
+    # Bytes of forward activations alive when the backward started (largest over ranks), when
+    # the run measured them (``measure_activations``; see runtime/activations.py).
+    saved_activation_bytes: int | None = None
 
     @property
     def comm_matches(self) -> bool:
@@ -241,6 +245,7 @@ class _RankOutput:
     rank: int
     outputs: list[list[torch.Tensor | None]]  # per program: local pieces of its outputs
     counts: list[dict[str, CollectiveCount]]  # per program: what ran
+    saved_bytes: list[int | None] = field(default_factory=list)  # per program, when measured
 
 
 def _device_for(backend: str, rank: int) -> torch.device:
@@ -275,15 +280,18 @@ class _RankTask:
     mesh_shape: tuple[int, ...]
     mesh_names: tuple[str, ...] | None
     args: list[torch.Tensor]
+    measure: bool = False  # run under the saved-activation meter
+    backward_start: str | None = None  # the node the meter measures before
 
 
-def _tasks(program: SPMDProgram, data: StepData) -> list[_RankTask]:
+def _tasks(program: SPMDProgram, data: StepData, measure: bool = False) -> list[_RankTask]:
     """One task per rank: the graph with its fake constants replaced by their real values."""
     graph = WireGraph.of(program.gm)
+    start = backward_start_name(program.gm) if measure else None
     graph.attrs.update({k: v for k, v in data.constants.items() if k in graph.attrs})
     mesh = program.mesh
     return [_RankTask(graph, dict(program.group_dims), tuple(mesh.shape), mesh.names,
-                      program.local_args(data.params, data.inputs, r))
+                      program.local_args(data.params, data.inputs, r), measure, start)
             for r in range(program.world_size)]
 
 
@@ -300,7 +308,7 @@ def _bind(task: _RankTask, device: torch.device) -> torch.fx.GraphModule:
 
 
 def _run_rank(tasks: Sequence[_RankTask], backend: str, rank: int, fault: Fault | None) -> _RankOutput:
-    outs, counts = [], []
+    outs, counts, saved = [], [], []
     device = _device_for(backend, rank)
     for task in tasks:
         gm = _bind(task, device)
@@ -310,13 +318,18 @@ def _run_rank(tasks: Sequence[_RankTask], backend: str, rank: int, fault: Fault 
                 time.sleep(HANG_S)
             raise RuntimeError(f"planted fault on rank {rank}")
         with torch.no_grad(), CollectiveCounter() as counter:
-            res = gm(*args)
+            if task.measure:
+                res, nbytes = run_measured(gm, args, task.backward_start)
+                saved.append(nbytes)
+            else:
+                res = gm(*args)
+                saved.append(None)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         res = list(res) if isinstance(res, (tuple, list)) else [res]
         outs.append([r.detach().cpu() if isinstance(r, torch.Tensor) else None for r in res])
         counts.append(counter.counts)
-    return _RankOutput(rank, outs, counts)
+    return _RankOutput(rank, outs, counts, saved)
 
 
 def _to_bytes(out: _RankOutput) -> bytes:
@@ -378,18 +391,20 @@ def _check_backend(backend: str, world: int) -> None:
 
 def run(program: SPMDProgram, backend: str = "gloo", *, check: bool = False, seed: int = 0,
         inference: bool | None = None, timeout_s: float = 60.0, fault: Fault | None = None,
-        model=None) -> RunResult | None:
+        model=None, measure_activations: bool = False) -> RunResult | None:
     """Run ``program`` on ``world_size`` real ranks; see the module docstring. Under torchrun,
     ranks other than 0 return None (rank 0 holds the gathered result)."""
     results = run_many([program], backend, check=check, seed=seed, inference=inference,
-                       timeout_s=timeout_s, fault=fault, models=[model])
+                       timeout_s=timeout_s, fault=fault, models=[model],
+                       measure_activations=measure_activations)
     return results[0] if results else None
 
 
 def run_many(programs: Sequence[SPMDProgram], backend: str = "gloo", *, check: bool = False, seed: int = 0,
              inference: bool | None = None, timeout_s: float = 60.0, fault: Fault | None = None,
-             models: Sequence | None = None) -> list[RunResult]:
-    """Run several programs of one world size in one launch (one process per rank for all)."""
+             models: Sequence | None = None, measure_activations: bool = False) -> list[RunResult]:
+    """Run several programs of one world size in one launch (one process per rank for all);
+    ``measure_activations`` measures each one's saved activations on every rank."""
     if not programs:
         return []
     world = programs[0].world_size
@@ -406,24 +421,25 @@ def run_many(programs: Sequence[SPMDProgram], backend: str = "gloo", *, check: b
     datas = [make_step_data(p, seed, m) for p, m in zip(programs, models, strict=True)]
     t0 = time.perf_counter()
     if under_torchrun():
-        ranks = _run_torchrun(programs, datas, backend, fault, timeout_s)
+        ranks = _run_torchrun(programs, datas, backend, fault, timeout_s, measure_activations)
         if ranks is None:  # not rank 0: it only contributed its pieces
             return []
         refs = [reference(p, d) for p, d in zip(programs, datas, strict=True)] if check else None
     else:
-        ranks, refs = _launch_local(programs, datas, backend, world, fault, timeout_s, check)
+        ranks, refs = _launch_local(programs, datas, backend, world, fault, timeout_s, check,
+                                    measure_activations)
     wall = time.perf_counter() - t0
     return [_result(i, p, ranks, backend, wall, refs[i] if refs else None) for i, p in enumerate(programs)]
 
 
 def _launch_local(programs, datas, backend: str, world: int, fault: Fault | None, timeout_s: float,
-                  check: bool):
+                  check: bool, measure: bool = False):
     # Ranks come from the forkserver, a clean single-threaded process that has imported torch and
     # shardwise once: forking this process instead (threads of HiGHS, OpenMP, a store server...)
     # can leave a child blocked forever on a lock some thread held at the fork.
     mp.set_forkserver_preload(list(WORKER_IMPORTS))
     ctx = mp.get_context("forkserver")
-    tasks = [_tasks(p, d) for p, d in zip(programs, datas, strict=True)]
+    tasks = [_tasks(p, d, measure) for p, d in zip(programs, datas, strict=True)]
     store = dist.TCPStore(LOCALHOST, 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     results = ctx.Queue()
@@ -515,7 +531,7 @@ def _kill_all(procs) -> None:
 
 
 def _run_torchrun(programs, datas, backend: str, fault: Fault | None,
-                  timeout_s: float) -> list[_RankOutput] | None:
+                  timeout_s: float, measure: bool = False) -> list[_RankOutput] | None:
     """This process is one rank of a torchrun job: run it; rank 0 gathers every rank's pieces."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != programs[0].world_size:
@@ -525,7 +541,7 @@ def _run_torchrun(programs, datas, backend: str, fault: Fault | None,
         dist.destroy_process_group()
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     try:
-        mine = _run_rank([_tasks(p, d)[rank] for p, d in zip(programs, datas, strict=True)],
+        mine = _run_rank([_tasks(p, d, measure)[rank] for p, d in zip(programs, datas, strict=True)],
                          backend, rank, fault)
         gathered: list[_RankOutput | None] = [None] * world if rank == 0 else None
         # Gathered over a CPU (gloo) group so NCCL jobs need no device copies of Python objects.
@@ -556,6 +572,8 @@ def _result(i: int, program: SPMDProgram, ranks: list[_RankOutput], backend: str
     res = RunResult(world_size=world, backend=backend, train=traced.train, loss=loss, outputs=outputs,
                     grads=grads, measured=rank_counts[0], lowered=count_graph(program.gm),
                     predicted=dict(program.plan.collectives), wall_s=wall, rank_measured=rank_counts)
+    measured = [r.saved_bytes[i] for r in ranks if r.saved_bytes and r.saved_bytes[i] is not None]
+    res.saved_activation_bytes = max(measured) if measured else None
     if ref is not None:
         ref_outs, ref_grads = ref
         pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []

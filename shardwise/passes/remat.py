@@ -1,0 +1,554 @@
+"""Rematerialisation (activation checkpointing) of a joint forward+backward graph.
+
+The backward of a training step reads forward values ("saved activations"), which therefore stay
+alive from the forward until the backward. This pass recomputes some of them in the backward
+instead, so the forward originals die early::
+
+    before                                      after (policy full)
+      h1 = add(h0, o)         (kept)              h1 = add(h0, o)
+      r  = rsqrt(mean(h1^2))  (alive until bwd)   r  = rsqrt(mean(h1^2))     (dies in the forward)
+      y  = mul(h1, r)         (alive until bwd)   y  = mul(h1, r)
+      ...                                         ...
+      g  = mul(dy, r)         (backward)          r' = rsqrt(mean(h1^2))     (copy, just before g)
+                                                  g  = mul(dy, r')
+
+Regions. The *backward* starts at the first gradient-carrying node: the seed of autograd, the
+first node outside the forward (the loss and its ancestors) that reads a 0-dim forward value
+(``ones_like(loss)``). Nodes before it form the forward region, nodes after it the backward
+region. Forward-region nodes the graph marks as backward (the ``detach`` of a value autograd
+saves) are forward values like any other; forward nodes after the seed (a lowered program
+delivers its loss last) are never rewritten.
+
+Policies (``ACPolicy``), each a set of forward values that are kept (saved); every other forward
+value that is safe to recompute and that the backward reads is recomputed from the kept ones:
+
+- ``none``: nothing is recomputed.
+- ``full``: keep each block's inputs only. The blocks are found on the graph, not by name: the
+  *spine* is the chain of nodes that post-dominate the residual stream (every path from it to
+  the loss passes through them: the residual adds entering each attention and MLP block, and
+  the head); the spine is kept, everything between two spine nodes is recomputed. A model
+  without residual connections is all spine: nothing to recompute.
+- ``selective``: torchtitan's per-op policy (``torchtitan/models/llama3/infra/parallelize.py``,
+  ``_save_list``): keep the spine, every matmul output except every second one (counted in
+  forward order), attention outputs and reduce_scatter outputs; recompute the rest.
+
+Collectives: an ``all_gather`` may be recomputed under both policies (that is what FSDP2's
+reshard-after-forward does: parameters are gathered again in the backward); ``full`` also
+recomputes ``reduce_scatter`` and ``all_reduce`` (torchtitan's full AC reruns the whole block,
+its tensor-parallel collectives included); ``selective`` keeps them (its save list holds
+reduce_scatter). ``all_to_all``/``broadcast`` are always kept. Every rank runs the same rewritten
+program, so the collectives still run in the same order on every rank.
+
+Rewrite: each backward-region node that reads a recomputed forward value reads a copy instead;
+the copy (and the copies of its recomputed inputs, recursively) is inserted just before the
+first backward node that needs it and shared by later readers (one copy chain per forward
+value: a value that several blocks' backwards read, such as rotary tables, is recomputed once).
+
+Safety (each a named predicate below; a node not proven safe is kept, never recomputed):
+random ops (``nondeterministic_seeded``), ops with nondeterministic bits, uninitialised
+allocations (``empty``), in-place ops and anything reading a value an in-place op writes (or a
+view of it), ops outside ``aten``/``prims`` and shardwise's norms (runtime mesh coordinates,
+fused collective-matmuls), values with data-dependent shapes, non-tensor values, and a
+``wait_tensor`` unless its collective is recomputed with it (a collective is waited once).
+Placeholders (parameters, inputs) and constants are always available and never copied.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from shardwise.errors import UserError
+from shardwise.ir.match import C10D_KINDS, CollectiveKind, is_getitem, is_wait
+from shardwise.ir.meta import fake_value
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+class ACPolicy(enum.Enum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+def parse_policy(policy: ACPolicy | str) -> ACPolicy:
+    """``policy`` as an ``ACPolicy``; an unknown name is a ``UserError`` (one sentence)."""
+    if isinstance(policy, ACPolicy):
+        return policy
+    try:
+        return ACPolicy(str(policy).strip().lower())
+    except ValueError:
+        names = ", ".join(p.value for p in ACPolicy)
+        raise UserError(f"unknown activation checkpointing policy {policy!r}; use one of {names}.") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-op knowledge.
+# ---------------------------------------------------------------------------------------------
+
+# Matmul-class ops (selective keeps every other one). Packets, so every overload matches.
+MATMUL_PACKETS = frozenset({aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul, aten.einsum,
+                            aten.linear, aten._scaled_mm})
+# Attention ops whose outputs selective keeps (torchtitan's save list names the CUDA flash and
+# efficient kernels; the CPU and cuDNN variants are the same computation).
+ATTENTION_PACKETS = frozenset({
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_cudnn_attention,
+    aten._flash_attention_forward, aten._efficient_attention_forward,
+})
+# Collectives each policy may run again in the backward (see the module docstring).
+RECOMPUTED_COLLECTIVES: dict[ACPolicy, frozenset[CollectiveKind]] = {
+    ACPolicy.NONE: frozenset(),
+    ACPolicy.SELECTIVE: frozenset({CollectiveKind.ALL_GATHER}),
+    ACPolicy.FULL: frozenset({CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER,
+                              CollectiveKind.ALL_REDUCE}),
+}
+# Allocations whose contents are undefined: a copy would hold other garbage than the original.
+UNINITIALISED_PACKETS = frozenset({aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided,
+                                   aten.new_empty_strided})
+# Namespaces whose functional ops are pure functions of their inputs.
+PURE_NAMESPACES = frozenset({"aten", "prims"})
+# shardwise's own ops that are pure (the norms; fused collective-matmuls carry a collective).
+PURE_SHARDWISE_OPS = frozenset({"rms_norm", "add_rms_norm", "add_rms_norm2"})
+# Tags of ops whose result is not a function of their inputs alone.
+UNSAFE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
+# The attention kernels' dropout probability (their schemas name it so).
+DROPOUT_ARG = "dropout_p"
+
+
+def _packet(node: fx.Node) -> object:
+    return getattr(node.target, "overloadpacket", None)
+
+
+def is_matmul(node: fx.Node) -> bool:
+    """A matmul-class ATen op."""
+    return node.op == "call_function" and _packet(node) in MATMUL_PACKETS
+
+
+def is_attention(node: fx.Node) -> bool:
+    """A fused attention kernel (its tuple node: output, logsumexp, ...)."""
+    return node.op == "call_function" and _packet(node) in ATTENTION_PACKETS
+
+
+def collective_kind(node: fx.Node) -> CollectiveKind | None:
+    """The kind of a c10d functional collective op node, else None."""
+    return C10D_KINDS.get(node.target) if node.op == "call_function" else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Safety predicates.
+# ---------------------------------------------------------------------------------------------
+
+
+def is_mutating(node: fx.Node) -> bool:
+    """An op that writes one of its inputs (in-place or out= variant)."""
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
+
+
+def is_random(node: fx.Node) -> bool:
+    """An op whose result depends on random state or is not bitwise reproducible (attention is
+    tagged random for its dropout: with ``dropout_p == 0`` it is not)."""
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload) or not any(tag in UNSAFE_TAGS for tag in t.tags):
+        return False
+    return not (is_attention(node) and _arg(node, DROPOUT_ARG, 0.0) == 0.0)
+
+
+def _arg(node: fx.Node, name: str, default: object) -> object:
+    """The value of the schema argument ``name`` of an OpOverload call (its default if absent)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else (a.default_value if a.has_default_value()
+                                                               else default)
+    return default
+
+
+def is_uninitialised(node: fx.Node) -> bool:
+    """An allocation whose contents are undefined (``empty`` and friends)."""
+    return node.op == "call_function" and _packet(node) in UNINITIALISED_PACKETS
+
+
+def is_pure_op(node: fx.Node) -> bool:
+    """A call of a pure function of its inputs: ``getitem``, an ATen/prims op, a shardwise norm."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return False  # Python builtins on SymInts, runtime helpers
+    ns = t.namespace
+    if ns == "shardwise":
+        return t._schema.name.split("::")[-1] in PURE_SHARDWISE_OPS
+    return ns in PURE_NAMESPACES
+
+
+def has_tensor_value(node: fx.Node) -> bool:
+    """The node computes a tensor, or a tuple/list of tensors (not a SymInt or None)."""
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return True
+    return isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v)
+
+
+def _is_view(node: fx.Node) -> bool:
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return node.target is operator.getitem
+    return any(r.alias_info is not None for r in t._schema.returns)
+
+
+def written_values(graph: fx.Graph) -> set[fx.Node]:
+    """Values an in-place op writes, with every view that shares their memory (closed both ways:
+    the base of a written view and the views of a written base)."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if is_mutating(n):
+            out.add(n)
+            out.update(a for a in n.all_input_nodes)
+    changed = True
+    while changed:
+        changed = False
+        for n in graph.nodes:
+            if n in out or not _is_view(n):
+                continue
+            base = n.all_input_nodes[:1]
+            if base and base[0] in out:
+                out.add(n)
+                changed = True
+        for n in list(out):
+            if _is_view(n) and n.all_input_nodes and n.all_input_nodes[0] not in out:
+                out.add(n.all_input_nodes[0])
+                changed = True
+    return out
+
+
+def safe_to_recompute(node: fx.Node, written: set[fx.Node]) -> bool:
+    """Running ``node`` again later gives the same value (ignoring collectives' pairing, checked by
+    the caller)."""
+    if node.op != "call_function" or not has_tensor_value(node):
+        return False
+    if "unbacked_bindings" in node.meta:  # a data-dependent shape: a copy would bind new symbols
+        return False
+    if node in written or any(a in written for a in node.all_input_nodes):
+        return False
+    if collective_kind(node) is not None or is_wait(node):
+        return True  # decided with the policy (pairing and kinds)
+    return is_pure_op(node) and not is_random(node) and not is_uninitialised(node)
+
+
+# ---------------------------------------------------------------------------------------------
+# Regions and the spine.
+# ---------------------------------------------------------------------------------------------
+
+
+def _output(graph: fx.Graph) -> fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The loss (the graph's first output) and everything it depends on, with the ``getitem``s of
+    forward tuple nodes (attention's logsumexp is read only by the backward)."""
+    out = _output(gm.graph)
+    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    loss = results[0] if results else None
+    fwd: set[fx.Node] = set()
+    stack = [loss] if isinstance(loss, fx.Node) else []
+    while stack:
+        n = stack.pop()
+        if n in fwd:
+            continue
+        fwd.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in gm.graph.nodes:
+        if is_getitem(n) and n.args[0] in fwd:
+            fwd.add(n)
+    return fwd
+
+
+def backward_start(gm: fx.GraphModule, fwd: set[fx.Node] | None = None) -> fx.Node | None:
+    """The seed of the backward: the first non-forward node that reads a 0-dim forward tensor
+    (``ones_like(loss)``); None when the graph has no backward (inference)."""
+    fwd = forward_nodes(gm) if fwd is None else fwd
+    for n in gm.graph.nodes:
+        if n in fwd or n.op in ("placeholder", "output", "get_attr"):
+            continue
+        for a in n.all_input_nodes:
+            v = fake_value(a)
+            if a in fwd and a.op != "placeholder" and v is not None and v.dim() == 0:
+                return n
+    return None
+
+
+def input_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    """The placeholders of the step's inputs (not its parameters). A joint graph returns
+    ``(loss, *grads)`` with one slot per parameter, and parameters are the first placeholders
+    (see ``ir/trace.py``); so the inputs are the placeholders after the first ``len(outputs) - 1``."""
+    out = _output(gm.graph)
+    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return placeholders[max(len(results) - 1, 0):]
+
+
+def spine(region: list[fx.Node], exit_node: fx.Node, sources: list[fx.Node]) -> set[fx.Node]:
+    """Nodes of ``region`` on the main chain to ``exit_node``: the longest post-dominator chain
+    from one of ``sources`` (the step's inputs): from the token ids, it is the embedding, the
+    residual stream, the head and the loss (placeholders themselves are not returned).
+
+    A node ``d`` post-dominates ``n`` when every path from ``n`` to the exit passes through
+    ``d``; the immediate post-dominator of ``n`` is the nearest common post-dominator of its
+    users (computed in reverse topological order, walking up the tree by depth).
+    """
+    reach: set[fx.Node] = {exit_node}
+    for n in reversed(region):
+        if n.op != "get_attr" and any(u in reach for u in n.users):
+            reach.add(n)
+    ipdom: dict[fx.Node, fx.Node | None] = {exit_node: None}
+    depth: dict[fx.Node, int] = {exit_node: 0}
+
+    def lca(a: fx.Node, b: fx.Node) -> fx.Node:
+        while a is not b:
+            if depth[a] >= depth[b]:
+                a = ipdom[a]
+            else:
+                b = ipdom[b]
+        return a
+
+    for n in reversed(region):
+        if n not in reach or n is exit_node:
+            continue
+        users = [u for u in n.users if u in depth]
+        d = users[0]
+        for u in users[1:]:
+            d = lca(d, u)
+        ipdom[n] = d
+        depth[n] = depth[d] + 1
+    starts = [s for s in sources if s in depth] or [n for n in depth if n.op == "placeholder"]
+    if not starts:
+        return {exit_node}
+    chain: set[fx.Node] = set()
+    cur: fx.Node | None = max(starts, key=lambda n: depth[n])
+    while cur is not None:
+        if cur.op != "placeholder":
+            chain.add(cur)
+        cur = ipdom[cur]
+    return chain
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RematPlan:
+    """What a policy does to a graph: ``recompute`` lists the forward nodes copied into the
+    backward (graph order), ``saved`` the forward values the backward still reads after the
+    rewrite (graph order; placeholders and constants excluded: they are not activations).
+    ``reason`` says why nothing is recomputed when that is so; ``start`` is the backward's first
+    node (None without a backward)."""
+
+    policy: ACPolicy
+    recompute: list[fx.Node] = field(default_factory=list)
+    saved: list[fx.Node] = field(default_factory=list)
+    kept: set[fx.Node] = field(default_factory=set, repr=False)
+    start: fx.Node | None = None
+    reason: str = ""
+
+
+@dataclass
+class _Regions:
+    fwd: set[fx.Node]
+    start: fx.Node
+    forward: list[fx.Node]  # nodes before the seed, graph order
+    backward: list[fx.Node]  # the seed and what follows, graph order (output excluded)
+
+    @property
+    def forward_set(self) -> set[fx.Node]:
+        return set(self.forward)
+
+    def readers(self) -> list[fx.Node]:
+        """Backward-region nodes that may read copies (forward nodes placed late are not)."""
+        return [n for n in self.backward if n not in self.fwd]
+
+
+def _regions(gm: fx.GraphModule) -> _Regions | None:
+    fwd = forward_nodes(gm)
+    start = backward_start(gm, fwd)
+    if start is None:
+        return None
+    nodes = list(gm.graph.nodes)
+    i = nodes.index(start)
+    return _Regions(fwd, start, nodes[:i], [n for n in nodes[i:] if n.op != "output"])
+
+
+def _kept_by_policy(policy: ACPolicy, forward: list[fx.Node], spine_nodes: set[fx.Node]) -> set[fx.Node]:
+    """Forward nodes the policy saves even though they could be recomputed."""
+    kept = set(spine_nodes)
+    if policy is ACPolicy.SELECTIVE:
+        matmuls = [n for n in forward if is_matmul(n)]
+        # torchtitan counts matmuls and recomputes the 2nd, 4th, ...: keep indices 0, 2, 4...
+        kept.update(m for i, m in enumerate(matmuls) if i % 2 == 0)
+        kept.update(n for n in forward if is_attention(n))
+    return kept
+
+
+def _recomputable(policy: ACPolicy, forward: list[fx.Node], kept: set[fx.Node],
+                  written: set[fx.Node]) -> set[fx.Node]:
+    """Forward nodes the policy lets the backward recompute (see the module docstring)."""
+    allowed = RECOMPUTED_COLLECTIVES[policy]
+    ok: set[fx.Node] = set()
+    for n in forward:  # graph order: a getitem's or wait's producer is decided first
+        if n in kept or not safe_to_recompute(n, written):
+            continue
+        kind = collective_kind(n)
+        if kind is not None:
+            # Recomputed only with its wait, and only when nothing but waits reads it.
+            if kind in allowed and n.users and all(is_wait(u) for u in n.users):
+                ok.add(n)
+            continue
+        if is_wait(n):
+            if n.all_input_nodes and n.all_input_nodes[0] in ok:
+                ok.add(n)
+            continue
+        if is_getitem(n) and n.args[0] not in ok:
+            continue  # the tuple is kept, so is its element
+        ok.add(n)
+    return ok
+
+
+def recompute_plan(gm: fx.GraphModule, policy: ACPolicy | str) -> RematPlan:
+    """Which forward nodes ``policy`` recomputes in the backward of ``gm``, and what the backward
+    still reads from the forward afterwards."""
+    policy = parse_policy(policy)
+    plan = RematPlan(policy)
+    regions = _regions(gm)
+    if regions is None:
+        plan.reason = "the graph has no backward (not a training step)"
+        return plan
+    plan.start = regions.start
+    fset = regions.forward_set
+    readers = regions.readers()
+    if policy is ACPolicy.NONE:
+        plan.saved = _saved(regions, set(), fset)
+        plan.reason = "policy none"
+        return plan
+    exit_node = next(a for a in regions.start.all_input_nodes if a in regions.fwd and _is_scalar(a))
+    spine_nodes = spine(regions.forward, exit_node, input_placeholders(gm))
+    kept = _kept_by_policy(policy, regions.forward, spine_nodes)
+    ok = _recomputable(policy, regions.forward, kept, written_values(gm.graph))
+    # The copies: every recomputable forward value a backward reader needs, and (recursively)
+    # its recomputable inputs.
+    need: set[fx.Node] = set()
+    stack = [a for r in readers for a in r.all_input_nodes if a in ok]
+    while stack:
+        n = stack.pop()
+        if n in need:
+            continue
+        need.add(n)
+        stack.extend(a for a in n.all_input_nodes if a in ok)
+    plan.recompute = [n for n in regions.forward if n in need]
+    plan.kept = kept
+    plan.saved = _saved(regions, need, fset)
+    if not plan.recompute:
+        plan.reason = "no forward value the backward reads is safe to recompute under this policy"
+    return plan
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    v = fake_value(node)
+    return v is not None and v.dim() == 0
+
+
+def _saved(regions: _Regions, recomputed: set[fx.Node], fset: set[fx.Node]) -> list[fx.Node]:
+    """Forward values read across the boundary once ``recomputed`` are copied: what the backward
+    reads directly, and what the copies read (their kept inputs)."""
+    saved: set[fx.Node] = set()
+    for r in regions.backward:
+        rewritten = r not in regions.fwd
+        for a in r.all_input_nodes:
+            if a in fset and not (rewritten and a in recomputed):
+                saved.add(a)
+    for n in recomputed:
+        saved.update(a for a in n.all_input_nodes if a not in recomputed)
+    return [n for n in regions.forward
+            if n in saved and n.op not in ("placeholder", "get_attr") and has_tensor_value(n)]
+
+
+def saved_bytes(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> int:
+    """Bytes of the tensors ``nodes`` compute (their ``meta["val"]``; tuple nodes count each
+    tensor; non-tensors count 0)."""
+    total = 0
+    for n in nodes:
+        v = n.meta.get("val")
+        vals = v if isinstance(v, (tuple, list)) else (v,)
+        for t in vals:
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The rewrite.
+# ---------------------------------------------------------------------------------------------
+
+
+def _copy_chain(graph: fx.Graph, value: fx.Node, before: fx.Node, recompute: set[fx.Node],
+                copies: dict[fx.Node, fx.Node]) -> fx.Node:
+    """The copy of ``value`` (made with its missing inputs' copies just before ``before``)."""
+    if value in copies:
+        return copies[value]
+    # Iterative post-order: chains through a block can be longer than Python's recursion limit.
+    stack: list[tuple[fx.Node, bool]] = [(value, False)]
+    while stack:
+        n, ready = stack.pop()
+        if n in copies:
+            continue
+        if not ready:
+            stack.append((n, True))
+            stack.extend((a, False) for a in n.all_input_nodes if a in recompute and a not in copies)
+            continue
+        with graph.inserting_before(before):
+            c = graph.node_copy(n, lambda a: copies.get(a, a))
+        c.meta = dict(n.meta)  # val, seq_nr, stack_trace...: the copy computes the same value
+        copies[n] = c
+    return copies[value]
+
+
+def rewrite(gm: fx.GraphModule, plan: RematPlan) -> int:
+    """Make every backward reader of a recomputed value read its copy; returns copies made."""
+    if not plan.recompute or plan.start is None:
+        return 0
+    regions = _regions(gm)
+    if regions is None or regions.start is not plan.start:
+        raise ValueError("the remat plan was made for another graph")
+    recompute = set(plan.recompute)
+    copies: dict[fx.Node, fx.Node] = {}
+    for reader in regions.readers():
+        for a in list(reader.all_input_nodes):
+            if a in recompute:
+                reader.replace_input_with(a, _copy_chain(gm.graph, a, reader, recompute, copies))
+    return len(copies)
+
+
+def apply(gm: fx.GraphModule, policy: ACPolicy | str = "full") -> int:
+    """Recompute forward values in the backward per ``policy``; returns the nodes copied."""
+    plan = recompute_plan(gm, policy)
+    if not plan.recompute:
+        log.debug("remat: nothing to do (%s)", plan.reason)
+        return 0
+    n = rewrite(gm, plan)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return n
