@@ -11,10 +11,6 @@ fits, and the breakdown of compute, recomputation and (exposed) communication.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from shardwise.cli import add_model_options
 from shardwise.cli.plan import add_mesh_options
@@ -48,10 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from shardwise.cost.hardware import get_hardware
-    from shardwise.cost.remat_shim import ACPolicy
     from shardwise.cost.step import estimate_step
     from shardwise.cost.units import parse_bytes
     from shardwise.mesh import parse_mesh
+    from shardwise.passes.remat import ACPolicy
 
     if args.inference:
         raise UserError("estimate prices a training step; drop --inference.")
@@ -65,10 +61,9 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError("--timeline needs the whole step traced; drop --extrapolate-from.")
     budget = parse_bytes(args.memory) if args.memory else None
     opts = {"ac": ACPolicy(args.ac), "compile": args.compile, "async_tp": args.async_tp}
-    with _quiet_native_stdout():
-        est = estimate_step(args.model, mesh, args.plan, opts, batch=args.batch, seq=args.seq,
-                            layers=args.layers, dtype=args.dtype, memory_budget=budget,
-                            extrapolate_from=args.extrapolate_from, time_limit_s=args.time_limit)
+    est = estimate_step(args.model, mesh, args.plan, opts, batch=args.batch, seq=args.seq,
+                        layers=args.layers, dtype=args.dtype, memory_budget=budget,
+                        extrapolate_from=args.extrapolate_from, time_limit_s=args.time_limit)
     if est.schedule is not None:
         from shardwise.cost.timeline import write_chrome_trace, write_png
 
@@ -100,19 +95,3 @@ def _print(out: dict) -> None:
         f"compute {b['compute_s'] * 1e3:.1f} ms, recompute {b['recompute_s'] * 1e3:.1f} ms, communication "
         f"{b['comm_s'] * 1e3:.1f} ms of which exposed {b['exposed_comm_s'] * 1e3:.1f} ms")
 
-
-@contextmanager
-def _quiet_native_stdout() -> Iterator[None]:
-    """Drop what native code prints to stdout while planning (the solver's banner): --json's
-    stdout is one object and an error is one sentence on stderr."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)

@@ -57,11 +57,11 @@ from torch import fx
 from torch.distributed.tensor import Partial, Shard
 
 from shardwise.cost.overlap import overlapped_time
-from shardwise.cost.remat_shim import ACPolicy, recompute_plan
 from shardwise.cost.topology import MeshTopology
 from shardwise.ir.flops import is_view
 from shardwise.ir.match import CollectiveKind
 from shardwise.ir.trace import Phase, Traced
+from shardwise.passes.remat import ACPolicy, recompute_plan
 from shardwise.plan.cluster import HEAD, TAIL, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.placement import Placements
@@ -216,7 +216,7 @@ class _Scheduler:
         self.param_nodes = {traced.node(ph) for ph in traced.params.values()}
         self.grad_of = {traced.node(g): traced.node(traced.params[p]) for p, g in traced.grads.items()}
         self.tp = self.names.index(TP) if TP in self.names else None
-        remat = recompute_plan(traced.gm, opts.ac, self.region) if traced.train else None
+        remat = recompute_plan(traced.gm, opts.ac) if traced.train else None
         self.recompute: set[fx.Node] = set(remat.recompute) if remat else set()
         self.fused_free: set[fx.Node] = set()
         self.on_chip: set[fx.Node] = set()

@@ -10,7 +10,6 @@ import functools
 
 import pytest
 
-from shardwise.cost.remat_shim import ACPolicy
 from shardwise.cost.schedule import (
     COMPUTE_STREAM,
     EventKind,
@@ -23,6 +22,7 @@ from shardwise.cost.topology import MeshTopology
 from shardwise.ir.trace import trace_model
 from shardwise.mesh import parse_mesh
 from shardwise.passes.pipeline import canonicalize
+from shardwise.passes.remat import ACPolicy
 from shardwise.plan import make_plan
 
 HW = "h100-96gb"
@@ -113,7 +113,8 @@ def test_activation_checkpointing_trades_time_for_memory():
     assert full.peak_bytes < sel.peak_bytes < none.peak_bytes
     assert none.step_s < sel.step_s < full.step_s
     recomputed = [e for e in full.events if e.kind == EventKind.RECOMPUTE]
-    assert recomputed and all(e.phase == "backward" and e.region in (0, 1) for e in recomputed)
+    assert recomputed and all(e.phase == "backward" for e in recomputed)
+    assert {0, 1} <= {e.region for e in recomputed}  # both layers' forwards run again
 
 
 def test_compile_fuses_memory_bound_work():
