@@ -160,26 +160,42 @@ def estimate_step(model: str, mesh: Mesh, plan: str, opts: dict, *, batch: int |
     from shardwise.passes.pipeline import canonicalize
 
     spec = get_model(model, layers=layers, batch=batch, seq=seq, dtype=dtype)
-    hw = get_hardware(mesh.hardware)
-    topo = MeshTopology(mesh.shape, hw)
-    tokens = spec.batch * spec.seq
-
-    def one(n_layers: int) -> StepEstimate:
+    depths = [spec.n_layers]
+    if extrapolate_from is not None and extrapolate_from + 1 < spec.n_layers:
+        if extrapolate_from < 1:
+            raise UserError(f"--extrapolate-from must be at least 1 layer, got {extrapolate_from}.")
+        depths = [extrapolate_from, extrapolate_from + 1]
+    prepared = []
+    for n_layers in depths:
         traced = trace_model(model, train=True, layers=n_layers, batch=batch, seq=seq, dtype=dtype)
         canonicalize(traced)
         p = plan_for(traced, mesh, plan, time_limit_s)
         if opts.get("async_tp") and not uses_tp(p, traced):
             raise UserError(f"--async-tp needs a plan that shards weights over a 'tp' mesh dim; the "
                             f"{p.name} plan on mesh {mesh} has none.")
-        sched = schedule_step(traced, p, topo, torchtitan_options(traced, **opts))
-        est = from_schedule(traced, p, sched, hw, mesh.size, tokens, memory_budget)
-        est.layers = n_layers
-        return est
+        prepared.append((traced, p))
+    hw = get_hardware(mesh.hardware)
+    return estimate_prepared(prepared, spec.n_layers, spec.batch * spec.seq, mesh, hw, opts, memory_budget)
 
-    total = spec.n_layers
-    if extrapolate_from is None or extrapolate_from + 1 >= total:
-        return one(total)
-    if extrapolate_from < 1:
-        raise UserError(f"--extrapolate-from must be at least 1 layer, got {extrapolate_from}.")
-    a, b = one(extrapolate_from), one(extrapolate_from + 1)
-    return extrapolate(a, b, extrapolate_from, total, hw, tokens, mesh.size, memory_budget)
+
+def estimate_prepared(prepared: list[tuple[Traced, Plan]], layers: int, tokens: int, mesh: Mesh,
+                      hw: Hardware, opts: dict, memory_budget: float | None = None) -> StepEstimate:
+    """Schedule traced-and-planned steps on ``hw``: one graph of the whole model, or two of
+    ``k`` and ``k + 1`` layers extrapolated to ``layers`` (see the module docstring)."""
+    topo = MeshTopology(mesh.shape, hw)
+    ests = []
+    for traced, p in prepared:
+        sched = schedule_step(traced, p, topo, torchtitan_options(traced, **opts))
+        ests.append(from_schedule(traced, p, sched, hw, mesh.size, tokens, memory_budget))
+        ests[-1].layers = layers
+    if len(ests) == 1:
+        return ests[0]
+    k = len(regions_layers(prepared[0][0]))
+    return extrapolate(ests[0], ests[1], k, layers, hw, tokens, mesh.size, memory_budget)
+
+
+def regions_layers(traced: Traced) -> set[int]:
+    """The decoder layer indices of a traced graph."""
+    from shardwise.plan.cluster import TAIL, regions
+
+    return {r for r in regions(traced).values() if 0 <= r < TAIL}
