@@ -109,7 +109,8 @@ HELD_OUT = [
 def prepared(cfg: Config, hardware: str):
     """Traced and planned graphs of ``cfg`` (two depths when extrapolated)."""
     mesh = parse_mesh(cfg.mesh, cfg.names, hardware)
-    depths = [cfg.layers] if cfg.extrapolate_from is None else [cfg.extrapolate_from, cfg.extrapolate_from + 1]
+    k = cfg.extrapolate_from
+    depths = [cfg.layers] if k is None else [k, k + 1]
     out = []
     for n in depths:
         traced = trace_model(cfg.model, layers=n, batch=cfg.batch, seq=SEQ, dtype="bf16")
