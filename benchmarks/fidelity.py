@@ -17,13 +17,15 @@ traced and planned (identical layers, clustered) and the step extrapolated linea
 
 One hardware spec (``h100-96gb``) and one set of efficiencies for every row, no constant per row.
 How they were fitted (``--fit`` reruns it): the spec's bandwidths, capacities and NCCL
-efficiencies are the published or the SXM part's values; two efficiencies are free,
-``compute_eff`` (sustained GEMM rate as a fraction of the 989 TFLOP/s bf16 peak, lowered by the
-500 W power limit) and ``mem_eff`` (sustained fraction of 2.4 TB/s HBM2e). They were chosen by a
-grid search minimising the largest |log ratio| over the three 8B 8-GPU rows' neighbours that
-they govern: the eager and compiled 8B 8-GPU throughput rows (compute-bound, communication hidden)
-and the 70B row without async TP. The other three throughput rows (8B 64-GPU vanilla and async
-TP, 70B async TP) and the two memory rows were not fitted on. Memory is not fitted at all.
+efficiencies are the published values or the SXM part's; two efficiencies are free,
+``compute_eff`` (sustained GEMM and attention rate as a fraction of the 989 TFLOP/s bf16 peak,
+lowered by the 500 W power limit) and ``mem_eff`` (sustained fraction of 2.4 TB/s HBM2e in
+memory-bound kernels). A grid search (``COMPUTE_EFF_GRID`` x ``MEM_EFF_GRID``) picks the pair
+that minimises the largest |log(estimated / measured)| over three rows: 8B 8-GPU eager and
+compiled (compute-bound, FSDP communication hidden: they pin the GEMM rate and, through their
+difference, the memory-bound rate) and 70B 256-GPU without async TP. It found compute_eff 0.48
+and mem_eff 0.6 (worst fitted ratio 1.054). Not fitted on: the 8B 64-GPU rows (vanilla and async
+TP), the 70B async-TP row, the two memory rows, and the held-out rows below.
 
 Other published measurements, not fitted on (torchtitan docs/performance.md, 64 A100 80GB,
 Llama 3 8B local batch 1 selective AC, 70B local batch 1 full AC, FSDP, eager: 2,904 and 331

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardwise.ir.flops import is_view
 from shardwise.ir.match import arg_node, cast_dtype, is_op, mul_other
@@ -50,6 +50,9 @@ COLUMN_BIAS = re.compile(r"(q_proj|k_proj|v_proj)\.bias$")
 VOCAB = re.compile(r"(tok_embeddings|embed_tokens)\.weight$")
 
 aten = torch.ops.aten
+# The loss: data parallelism (torchtitan's, any framework's) computes it on each rank's tokens
+# and averages it, a pending average over the data-parallel dims.
+LOSS_OPS = frozenset({aten.nll_loss_forward.default})
 # The ops a decomposed RMSNorm ends in: their outputs are "the norm's output".
 _NORM_OPS = (aten.rsqrt,)
 
@@ -124,13 +127,18 @@ def batch_nodes(traced: Traced) -> frozenset[str]:
     # holds another rank's logits.
     batch = {shape[0], math.prod(shape[:2])} if len(shape) >= 2 else {shape[0]}
     reached = {traced.node(i) for i in traced.inputs}
+    # A weight gradient (or its transpose) is no batch value, even when a weight dim happens to
+    # equal the token count.
+    weight_shapes = {s for ph in traced.params.values()
+                     for t in [tuple(traced.node(ph).meta["val"].shape)] for s in (t, t[::-1])}
     out = set()
     for n in traced.gm.graph.nodes:
         if n.op != "call_function" or not any(a in reached for a in n.all_input_nodes):
             continue
         reached.add(n)
         val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() >= 1 and val.shape[0] in batch and not is_view(n):
+        if (isinstance(val, torch.Tensor) and val.dim() >= 1 and val.shape[0] in batch and not is_view(n)
+                and tuple(val.shape) not in weight_shapes):
             out.add(n.name)
     return frozenset(out)
 
@@ -173,6 +181,8 @@ def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placem
             return ps == want
         if not follower and node.name in spec.batch_nodes and any(ps[d] != Shard(0) for d in spec.dp_dims):
             return False
+        if node.target in LOSS_OPS and any(not isinstance(ps[d], Partial) for d in spec.dp_dims):
+            return False  # each rank's loss over its own tokens, averaged (never gathered logits)
         if node.name in at_norms:
             val = flat_tensor_vals(node)[0]
             target = tuple(p if not (isinstance(p, Shard) and p.dim >= val.dim()) else Replicate()

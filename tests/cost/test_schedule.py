@@ -133,3 +133,20 @@ def test_memory_peak_holds_the_state_and_grows_with_the_layers():
     t3, p3, topo = _planned("4", None, "fsdp", layers=3)
     s3 = schedule_step(t3, p3, topo, StepOptions(param_bytes=4, grad_bytes=4))
     assert s3.peak_bytes > s2.peak_bytes
+
+
+def test_extrapolating_identical_layers_matches_tracing_them():
+    """k and k+1 traced layers extrapolated to k+2 give what tracing k+2 layers gives."""
+    from shardwise.cost.hardware import get_hardware
+    from shardwise.cost.step import estimate_prepared
+
+    mesh = parse_mesh("4", None, HW)
+    opts = {"ac": ACPolicy.SELECTIVE}
+    prep = [_planned("4", None, "fsdp", layers=n)[:2] for n in (2, 3, 4)]
+    tokens = 8 * 512
+    direct = estimate_prepared([prep[2]], 4, tokens, mesh, get_hardware(HW), opts)
+    extra = estimate_prepared(prep[:2], 4, tokens, mesh, get_hardware(HW), opts)
+    assert extra.extrapolated_from == 2 and direct.extrapolated_from is None
+    assert extra.step_s == pytest.approx(direct.step_s, rel=0.01)
+    assert extra.memory_per_device_bytes == pytest.approx(direct.memory_per_device_bytes, rel=0.01)
+    assert extra.recompute_s == pytest.approx(direct.recompute_s, rel=0.01)
