@@ -11,7 +11,7 @@ Rows (torchtitan, Llama 3.1, bf16, sequence 8192, H100 96 GB at 500 W, 8 per hos
 
 Each row is estimated by the same code as ``shardwise estimate``: the hand plan (``fsdp`` or
 ``fsdp_tp_sp``) traced on fake tensors, laid out on streams (``cost/schedule.py``) with
-torchtitan's mixed precision. The 70B rows are not traced at 80 layers: 2 and 3 layers are
+torchtitan's mixed precision. The 70B rows are not traced at 80 layers: 3 and 5 layers are
 traced and planned (identical layers, clustered) and the step extrapolated linearly per layer
 (``cost/step.py`` says why that is exact for repeating layers); the 8B rows trace all 32.
 
@@ -44,7 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.cost.hardware import get_hardware, with_overrides
-from shardwise.cost.step import StepEstimate, estimate_prepared, plan_for
+from shardwise.cost.step import PERIOD, StepEstimate, estimate_prepared, plan_for
 from shardwise.ir.trace import trace_model
 from shardwise.mesh import parse_mesh
 from shardwise.passes.pipeline import canonicalize
@@ -85,9 +85,9 @@ class Row:
 
 C8 = Config("llama3-8b", "8", None, "fsdp", 2 * 8, 32)
 C64 = Config("llama3-8b", "8x8", "dp,tp", "fsdp_tp_sp", 12 * 8, 32)
-C256 = Config("llama3-70b", "32x8", "dp,tp", "fsdp_tp_sp", 16 * 32, 80, extrapolate_from=2)
+C256 = Config("llama3-70b", "32x8", "dp,tp", "fsdp_tp_sp", 16 * 32, 80, extrapolate_from=3)
 A8 = Config("llama3-8b", "64", None, "fsdp", 64, 32)
-A70 = Config("llama3-70b", "64", None, "fsdp", 64, 80, extrapolate_from=2)
+A70 = Config("llama3-70b", "64", None, "fsdp", 64, 80, extrapolate_from=3)
 SEL, FULL = ACPolicy.SELECTIVE, ACPolicy.FULL
 
 ROWS = [
@@ -112,7 +112,7 @@ def prepared(cfg: Config, hardware: str):
     """Traced and planned graphs of ``cfg`` (two depths when extrapolated)."""
     mesh = parse_mesh(cfg.mesh, cfg.names, hardware)
     k = cfg.extrapolate_from
-    depths = [cfg.layers] if k is None else [k, k + 1]
+    depths = [cfg.layers] if k is None else [k, k + PERIOD]
     out = []
     for n in depths:
         traced = trace_model(cfg.model, layers=n, batch=cfg.batch, seq=SEQ, dtype="bf16")

@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", default=None, help="memory per device to check the peak against (default: the "
                    "hardware's)")
     p.add_argument("--extrapolate-from", type=int, default=None, metavar="K",
-                   help="trace K and K+1 layers and extrapolate to the model's depth (identical layers)")
+                   help="trace K and K+2 layers and extrapolate to the model's depth (identical layers)")
     p.add_argument("--time-limit", type=float, default=60.0,
                    help="solver time limit for --plan auto (seconds)")
     p.add_argument("--timeline", default=None, help="write a Chrome trace (Perfetto) of the step here")

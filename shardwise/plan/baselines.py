@@ -18,6 +18,22 @@ by the same cost model as the auto plan and lowered by the same code:
 
 A baseline that cannot be expressed on the mesh (no ``tp`` dim, a batch the data-parallel dims
 do not divide, a weight ``tp`` does not divide) is ``None``.
+
+What each rule reproduces of torchtitan (``torchtitan/models/llama3/infra/parallelize.py``):
+
+- the data-parallel batch rule, the flattened tokens included, and the loss as a pending
+  average (``LOSS_OPS``): each rank computes its own tokens' logits and loss, as FSDP/DDP do;
+- ``fsdp``'s Shard(0) parameters: ``fully_shard`` (FSDP2 shards dim 0); its
+  ``reshard_after_forward`` (gathered again in the backward), the one-layer prefetch and the
+  mixed precision (bf16 compute, fp32 master weights and gradients, ``reduce_dtype=float32``
+  reduce-scatters) are how ``cost/schedule.py`` runs the plan (``cost/step.torchtitan_options``);
+- ``fsdp_tp_sp``'s tensor parallelism: ``ColwiseParallel`` wq/wk/wv/w1/w3, ``RowwiseParallel``
+  wo/w2 with a sequence-sharded output (reduce_scatter), ``SequenceParallel`` norms, the
+  embedding ``RowwiseParallel`` with a sequence-sharded output, the output head
+  ``ColwiseParallel`` (vocabulary-sharded logits).
+- Not reproduced: ``loss_parallel`` (the vocabulary-parallel cross entropy). DTensor's sharding
+  rules have no vocabulary-sharded ``log_softmax``, so the logits are redistributed to be
+  token-sharded for the loss (an all_to_all); no rank holds the full logits either way.
 """
 
 from __future__ import annotations

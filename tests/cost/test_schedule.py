@@ -136,17 +136,19 @@ def test_memory_peak_holds_the_state_and_grows_with_the_layers():
 
 
 def test_extrapolating_identical_layers_matches_tracing_them():
-    """k and k+1 traced layers extrapolated to k+2 give what tracing k+2 layers gives."""
+    """k and k+2 traced layers extrapolated to k+4 give what tracing k+4 layers gives (from
+    k = 3: in this communication-heavy toy the first two layers are not yet steady)."""
     from shardwise.cost.hardware import get_hardware
-    from shardwise.cost.step import estimate_prepared
+    from shardwise.cost.step import PERIOD, estimate_prepared
 
     mesh = parse_mesh("4", None, HW)
     opts = {"ac": ACPolicy.SELECTIVE}
-    prep = [_planned("4", None, "fsdp", layers=n)[:2] for n in (2, 3, 4)]
+    k = 3
+    prep = [_planned("4", None, "fsdp", layers=n)[:2] for n in (k, k + PERIOD, k + 2 * PERIOD)]
     tokens = 8 * 512
-    direct = estimate_prepared([prep[2]], 4, tokens, mesh, get_hardware(HW), opts)
-    extra = estimate_prepared(prep[:2], 4, tokens, mesh, get_hardware(HW), opts)
-    assert extra.extrapolated_from == 2 and direct.extrapolated_from is None
-    assert extra.step_s == pytest.approx(direct.step_s, rel=0.01)
-    assert extra.memory_per_device_bytes == pytest.approx(direct.memory_per_device_bytes, rel=0.01)
-    assert extra.recompute_s == pytest.approx(direct.recompute_s, rel=0.01)
+    depth = k + 2 * PERIOD
+    direct = estimate_prepared([prep[2]], depth, tokens, mesh, get_hardware(HW), opts)
+    extra = estimate_prepared(prep[:2], depth, tokens, mesh, get_hardware(HW), opts)
+    assert extra.extrapolated_from == k and direct.extrapolated_from is None
+    for field in ("step_s", "memory_per_device_bytes", "recompute_s", "compute_s", "exposed_comm_s"):
+        assert getattr(extra, field) == pytest.approx(getattr(direct, field), rel=0.005), field
