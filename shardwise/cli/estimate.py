@@ -84,13 +84,15 @@ def run(args: argparse.Namespace) -> dict:
 def _print(out: dict) -> None:
     from rich.console import Console
 
+    from shardwise.cost.units import format_bytes
+
     b = out["breakdown"]
     Console().print(
         f"[bold]{out['model']}[/] on {'x'.join(map(str, out['mesh']))} {out['hardware']}, "
         f"plan {out['plan']}, "
         f"AC {out['ac']}{', compiled' if out['compile'] else ''}{', async TP' if out['async_tp'] else ''}\n"
         f"step {out['step_s'] * 1e3:.1f} ms, {out['tokens_per_s_per_device']:,.0f} tokens/s per device, "
-        f"MFU {out['mfu']:.1%}, peak memory {out['memory_per_device_bytes'] / 2**30:.1f} GiB per device "
+        f"MFU {out['mfu']:.1%}, peak memory {format_bytes(out['memory_per_device_bytes'])} per device "
         f"({'fits' if out['fits'] else 'does not fit'})\n"
         f"compute {b['compute_s'] * 1e3:.1f} ms, recompute {b['recompute_s'] * 1e3:.1f} ms, communication "
         f"{b['comm_s'] * 1e3:.1f} ms of which exposed {b['exposed_comm_s'] * 1e3:.1f} ms")

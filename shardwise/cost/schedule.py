@@ -54,17 +54,18 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Shard
 
 from shardwise.cost.overlap import overlapped_time
 from shardwise.cost.topology import MeshTopology
+from shardwise.errors import UserError
 from shardwise.ir.flops import is_view
 from shardwise.ir.match import CollectiveKind
 from shardwise.ir.trace import Phase, Traced
 from shardwise.passes.remat import ACPolicy, recompute_plan
 from shardwise.plan.cluster import HEAD, TAIL, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
-from shardwise.plan.placement import Placements
+from shardwise.plan.placement import Placements, placements_str
 from shardwise.plan.plan import Plan, tensor_args
 from shardwise.plan.strategies import Strategy, flat_tensor_vals
 
@@ -337,10 +338,11 @@ class _Scheduler:
     def _collective_steps(self, u: fx.Node, src: Placements, dst: Placements, scale: float = 1.0):
         rc = self.costs.reshard(src, dst, u.meta["val"])
         if rc.time_s == math.inf:
-            raise ValueError(f"plan moves {u.name} from {src} to {dst}, which is impossible")
+            raise UserError(f"the plan moves {u.name} from {placements_str(src)} to {placements_str(dst)}, "
+                            "which no redistribution can do; plan again.")
         return [(c.kind, c.mesh_dim, int(c.bytes * scale)) for c in rc.collectives]
 
-    def _run_steps(self, name: str, steps, ready: float, item: _Item, hold: float | None = None) -> float:
+    def _run_steps(self, name: str, steps, ready: float, item: _Item) -> float:
         """Run the collectives one after another on their dims' streams; when they end."""
         t = ready
         for kind, dim, nbytes in steps:
@@ -442,9 +444,7 @@ class _Scheduler:
                         continue
                     start = max(start, self._arrival(u, dst, it, i, t_c, consumers_s=mm_s))
             end = start + dur
-            inst = (n, it.recompute or False)
-            if it.recompute:
-                inst = (n, True)
+            inst = (n, it.recompute)
             self.ready[inst] = end
             self.born[inst] = i
             if dur > 0:
@@ -543,10 +543,3 @@ def schedule_step(traced: Traced, plan: Plan, topo: MeshTopology,
     """Lay ``plan``'s step out on streams (see the module docstring)."""
     return _Scheduler(traced, plan, topo, opts or StepOptions()).run()
 
-
-def has_partial(ps: Placements) -> bool:
-    return any(isinstance(p, Partial) for p in ps)
-
-
-def shards_on(ps: Placements, dim: int) -> bool:
-    return isinstance(ps[dim], Shard)
