@@ -35,11 +35,12 @@ reports their time. With ``compile`` the memory-bound recomputation fuses into t
 kernels (Inductor's partitioner recomputes pointwise ops rather than saving them), so it costs no
 kernel of its own, and memory-bound forward values are not kept for the backward.
 
-Memory: static (parameters, gradients and optimizer state, at ``param_bytes``/``grad_bytes`` +
-``optimizer_state_bytes`` per local element) plus every value alive at each point of the
-schedule: a value lives from its producer to its last reader (views alias their base), so the
-peak holds the saved activations of the layers whose backward has not run, the gathered
-parameters in flight and the largest transients.
+Memory: static (parameters and optimizer state, ``param_bytes`` + ``optimizer_state_bytes`` per
+local element) plus every value alive at each point of the schedule: a value lives from its
+producer to its last reader (views alias their base), so the peak holds the saved activations
+of the layers whose backward has not run, the gathered parameters in flight and the largest
+transients; a parameter's stored gradient (``grad_bytes`` per local element) lives from its
+reduction to the optimizer step (``zero_grad(set_to_none=True)`` frees it every step).
 
 The optimizer step runs last on the compute stream, after the last gradient collective: a
 fused Adam reads and writes ``OPTIMIZER_BYTES_PER_ELEMENT`` per local parameter element.
@@ -401,6 +402,7 @@ class _Scheduler:
     # ---- the walk ------------------------------------------------------------------------
     def run(self) -> StepSchedule:
         items = self.items()
+        self.n_items = len(items)
         blocks: list[tuple[Phase, int]] = []
         for it in items:
             b = (it.phase, it.region)
@@ -479,6 +481,10 @@ class _Scheduler:
     def _reduce_gradient(self, g: fx.Node, it: _Item, i: int, ready: float) -> None:
         param = self.grad_of[g]
         src, dst = self._spec(g).output[0], self._spec(param).output[0]
+        # The stored gradient exists from here to the optimizer step (zero_grad(set_to_none)
+        # frees it every step, as torchtitan does).
+        self.born[("grad", param)] = i
+        self.last_read[("grad", param)] = self.n_items
         if src == dst:
             return
         itemsize = g.meta["val"].element_size()
@@ -501,7 +507,7 @@ class _Scheduler:
             elems = local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
             per = self.opts.param_bytes or v.element_size()
             if self.traced.train:
-                per += (self.opts.grad_bytes or v.element_size()) + self.opts.optimizer_state_bytes
+                per += self.opts.optimizer_state_bytes
             total += elems * per
         return int(total)
 
@@ -515,7 +521,7 @@ class _Scheduler:
             if size == 0:
                 continue
             last = self.last_read.get(key, born)
-            if len(key) == 2 and key[0] in self.grad_of:
+            if len(key) == 2 and isinstance(key[0], fx.Node) and key[0] in self.grad_of:
                 last = born  # the gradient leaves as its reduced shard (static memory)
             delta[born] += size
             delta[last + 1] -= size
@@ -526,6 +532,11 @@ class _Scheduler:
         return peak
 
     def _key_bytes(self, key: tuple) -> int:
+        if key[0] == "grad":  # a parameter's stored gradient
+            ph = key[1]
+            v = ph.meta["val"]
+            elems = local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
+            return elems * (self.opts.grad_bytes or v.element_size())
         if len(key) == 2:  # a value instance
             node = key[0]
             if node.op != "call_function" or is_view(node) or node.target is operator.getitem:

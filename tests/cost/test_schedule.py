@@ -38,8 +38,8 @@ def _planned(mesh: str, names: str | None, plan: str, batch: int = 8, seq: int =
     return traced, p, MeshTopology(m.shape, HW)
 
 
-def _schedule(mesh="4", names=None, plan="fsdp", **opts):
-    traced, p, topo = _planned(mesh, names, plan)
+def _schedule(mesh="4", names=None, plan="fsdp", seq=512, **opts):
+    traced, p, topo = _planned(mesh, names, plan, seq=seq)
     return traced, schedule_step(traced, p, topo, StepOptions(**opts))
 
 
@@ -104,9 +104,10 @@ def test_async_tp_hides_tensor_parallel_collectives():
 
 
 def test_activation_checkpointing_trades_time_for_memory():
-    _, none = _schedule("4", None, "fsdp")
-    _, sel = _schedule("4", None, "fsdp", ac=ACPolicy.SELECTIVE)
-    _, full = _schedule("4", None, "fsdp", ac=ACPolicy.FULL)
+    # long sequences: activations, not the 128K-vocabulary embedding and head, set the peak
+    _, none = _schedule("4", None, "fsdp", seq=4096)
+    _, sel = _schedule("4", None, "fsdp", seq=4096, ac=ACPolicy.SELECTIVE)
+    _, full = _schedule("4", None, "fsdp", seq=4096, ac=ACPolicy.FULL)
     assert none.recompute_s == 0 and not none.recomputed
     assert 0 < sel.recompute_s < full.recompute_s
     assert len(sel.recomputed) < len(full.recomputed)
@@ -128,8 +129,10 @@ def test_compile_fuses_memory_bound_work():
 def test_memory_peak_holds_the_state_and_grows_with_the_layers():
     traced, s2 = _schedule("4", None, "fsdp", param_bytes=4, grad_bytes=4)
     n_params = sum(traced.node(ph).meta["val"].numel() for ph in traced.params.values())
-    assert s2.static_bytes == pytest.approx(n_params / 4 * (4 + 4 + 8), rel=1e-3)
-    assert s2.peak_bytes > s2.static_bytes
+    # fp32 master weights and Adam's two moments all step long; fp32 gradients from their
+    # reduce_scatter to the optimizer, which the peak includes when it comes at the end
+    assert s2.static_bytes == pytest.approx(n_params / 4 * (4 + 8), rel=1e-3)
+    assert s2.peak_bytes >= s2.static_bytes + n_params / 4 * 4
     t3, p3, topo = _planned("4", None, "fsdp", layers=3)
     s3 = schedule_step(t3, p3, topo, StepOptions(param_bytes=4, grad_bytes=4))
     assert s3.peak_bytes > s2.peak_bytes
