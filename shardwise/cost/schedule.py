@@ -356,20 +356,32 @@ class _Scheduler:
             t = start + dur
         return t
 
-    def _async_tp_wait(self, steps, consumers_s: float) -> float | None:
-        """Seconds a fused collective-matmul holds its matmul back (None: not fusable)."""
-        if not self.opts.async_tp or self.tp is None or len(steps) != 1:
+    def _async_tp_wait(self, steps, kind: CollectiveKind, matmul_s: float) -> float | None:
+        """Seconds a fused collective-matmul adds to its matmuls' ``matmul_s``: what the ring
+        cannot hide, ``(W - 1) * max(0, hop - chunk)`` (None: not fusable)."""
+        if not self.opts.async_tp or self.tp is None or len(steps) != 1 or matmul_s <= 0:
             return None
-        kind, dim, nbytes = steps[0]
-        if dim != self.tp or kind not in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER):
+        step_kind, dim, nbytes = steps[0]
+        if dim != self.tp or step_kind is not kind:
             return None
         w = self.mesh_shape[dim]
         comm = self.topo.collective_time(kind, nbytes, dim)
-        chunk = consumers_s / w
-        return overlapped_time(chunk, comm, w) - consumers_s
+        return overlapped_time(matmul_s / w, comm, w) - matmul_s
+
+    def _matmul_readers_s(self, u: fx.Node, item: _Item) -> float:
+        """Time of the matmuls that read ``u`` (directly or through views): what an all_gather
+        of ``u`` fuses with."""
+        total, stack = 0.0, list(u.users)
+        while stack:
+            v = stack.pop()
+            if is_view(v):
+                stack.extend(v.users)
+            elif v.target in _MATMULS and self.traced.phase(v) is item.phase:
+                total += self._node_time(v, item.recompute)
+        return total
 
     def _arrival(self, u: fx.Node, dst: Placements, item: _Item, i: int, t_c: float, gate: float = 0.0,
-                 consumers_s: float = 0.0) -> float:
+                 matmul_reader: bool = False) -> float:
         """When value ``u`` is available in ``dst`` to ``item``; schedules its move if needed."""
         spec_u = self._spec(u)
         key = self._move_key(u, dst, item)
@@ -383,13 +395,23 @@ class _Scheduler:
             return self.moved[key]
         steps = self._collective_steps(u, src, dst)
         produced = max(self.ready.get(inst, 0.0), gate)
-        hold = self._async_tp_wait(steps, consumers_s) if consumers_s else None
-        if hold is not None:
-            # Fused all_gather + matmul: the collective starts with the matmul, which waits
-            # only for what the ring cannot hide.
-            start = max(produced, self.stream_free[stream_name(self.names, steps[0][1])], t_c)
+        stream = stream_name(self.names, steps[0][1]) if steps else None
+        gather_hold = (self._async_tp_wait(steps, CollectiveKind.ALL_GATHER, self._matmul_readers_s(u, item))
+                       if matmul_reader else None)
+        scatter_hold = (self._async_tp_wait(steps, CollectiveKind.REDUCE_SCATTER, self._node_time(u, inst[1]))
+                        if u.target in _MATMULS else None)
+        if gather_hold is not None:
+            # all_gather + matmul fused: the ring starts with the matmuls, which wait only for
+            # what it cannot hide.
+            start = max(produced, self.stream_free[stream], t_c)
             self._run_steps(u.name, steps, start, item)
-            arrive = start + hold
+            arrive = start + gather_hold
+        elif scatter_hold is not None:
+            # matmul + reduce_scatter fused: the ring runs under the matmul that produces it and
+            # ends what it cannot hide after it.
+            comm = self.topo.collective_time(steps[0][0], steps[0][2], steps[0][1])
+            arrive = max(produced + scatter_hold, self.stream_free[stream] + comm)
+            self._run_steps(u.name, steps, arrive - comm, item)
         else:
             arrive = self._run_steps(u.name, steps, produced, item)
         self.moved[key] = arrive
@@ -434,8 +456,6 @@ class _Scheduler:
             n = it.node
             spec = self._spec(n)
             dur = self._node_time(n, it.recompute)
-            # TP consumers that are matmuls: their time, for the fused (async TP) price.
-            mm_s = dur if n.target in _MATMULS else 0.0
             start = t_c
             if spec is not None:
                 for j, u in enumerate(tensor_args(n)):
@@ -444,7 +464,7 @@ class _Scheduler:
                         dst = self._spec(u).output[0] if self._spec(u) is not None else None
                     if dst is None:
                         continue
-                    start = max(start, self._arrival(u, dst, it, i, t_c, consumers_s=mm_s))
+                    start = max(start, self._arrival(u, dst, it, i, t_c, matmul_reader=n.target in _MATMULS))
             end = start + dur
             inst = (n, it.recompute)
             self.ready[inst] = end
