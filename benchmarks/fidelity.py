@@ -55,7 +55,7 @@ GIB = 2**30
 TOLERANCE = (0.85, 1.15)  # issue 14's acceptance band for estimated / measured
 # The fit's grid (``--fit``): sustained fractions of peak GEMM rate and of HBM bandwidth.
 COMPUTE_EFF_GRID = (0.40, 0.44, 0.48, 0.52, 0.56, 0.60, 0.64)
-MEM_EFF_GRID = (0.6, 0.7, 0.8, 0.9)
+MEM_EFF_GRID = (0.5, 0.6, 0.7, 0.8, 0.9)
 TABLE_WIDTH = 170
 
 
