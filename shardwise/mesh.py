@@ -52,7 +52,13 @@ class Mesh:
         return self.names.index(name) if name in self.names else None
 
     def device_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """A DeviceMesh over a fake process group of this size (re-initialised if needed)."""
+        """A DeviceMesh over a fake process group of this size (re-initialised if needed). Inside
+        a job whose real group is running (``parallelize`` planning on rank 0), a mesh of this
+        shape with no groups: sharding propagation needs only the shape, and creating groups on
+        one rank alone would hang the others."""
+        if dist.is_initialized() and dist.get_backend() != "fake":
+            return DeviceMesh(device_type, torch.arange(self.size).view(self.shape),
+                              mesh_dim_names=self.names, _init_backend=False)
         ensure_fake_world(self.size)
         return DeviceMesh(device_type, torch.arange(self.size).view(self.shape), mesh_dim_names=self.names)
 

@@ -61,14 +61,15 @@ def check_batch(batch: int, mesh) -> None:
                         f"{names}; use a --batch that {ways} divides or a smaller mesh.")
 
 
-def make_plan_for(choice: str, traced, mesh, model: str, train: bool):
+def make_plan_for(choice: str, traced, mesh, model: str, train: bool, time_limit_s: float = 60.0):
     """The plan named by ``--plan``: ``auto``, a baseline, or a plan file checked against the graph."""
     from shardwise.plan import make_plan
     from shardwise.plan.plan import Plan, graph_fingerprint
     from shardwise.plan.planner import NO_PLAN, no_plan_reason
 
     if choice in PLAN_CHOICES:
-        plan = make_plan(traced, mesh, baseline=None if choice == "auto" else choice)
+        plan = make_plan(traced, mesh, baseline=None if choice == "auto" else choice,
+                         time_limit_s=time_limit_s)
         if plan is None:
             need = " and a mesh dim named tp" if "tp" in choice else ""
             raise UserError(f"the {choice} plan does not apply to mesh {mesh}; it needs a batch and "

@@ -7,7 +7,7 @@ raises); shapes are compared as static integer tuples (a symbolic dim never matc
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import torch
 from torch import fx
@@ -120,6 +120,19 @@ def depends_on(node: fx.Node, ancestor: fx.Node, stop_before: int | None = None,
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return False
+
+
+def input_closure(nodes: Iterable[fx.Node], within: Container[fx.Node]) -> set[fx.Node]:
+    """The nodes of ``within`` that ``nodes`` read, directly or through other nodes of ``within``."""
+    out: set[fx.Node] = set()
+    stack = [p for n in nodes for p in n.all_input_nodes if p in within]
+    while stack:
+        p = stack.pop()
+        if p in out:
+            continue
+        out.add(p)
+        stack.extend(q for q in p.all_input_nodes if q in within)
+    return out
 
 
 def erase_if_dead(nodes: Iterable[fx.Node]) -> None:

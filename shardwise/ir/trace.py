@@ -75,14 +75,12 @@ def _node_index(gm: fx.GraphModule) -> dict[str, fx.Node]:
     return {n.name: n for n in gm.graph.nodes}
 
 
-def _phases(gm: fx.GraphModule, train: bool) -> dict[str, Phase]:
-    """Forward = the loss and everything it depends on; the rest of a training graph is backward."""
+def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The loss (a training graph's first output) and everything it depends on."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    if not train:
-        return {n.name: Phase.FORWARD for n in gm.graph.nodes}
-    loss = out.args[0][0]
+    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     fwd: set[fx.Node] = set()
-    stack = [loss]
+    stack = [results[0]] if results and isinstance(results[0], fx.Node) else []
     while stack:
         n = stack.pop()
         if n in fwd:
@@ -93,6 +91,14 @@ def _phases(gm: fx.GraphModule, train: bool) -> dict[str, Phase]:
     for n in gm.graph.nodes:
         if n.target is operator.getitem and n.args[0] in fwd:
             fwd.add(n)
+    return fwd
+
+
+def _phases(gm: fx.GraphModule, train: bool) -> dict[str, Phase]:
+    """Forward = the loss and everything it depends on; the rest of a training graph is backward."""
+    if not train:
+        return {n.name: Phase.FORWARD for n in gm.graph.nodes}
+    fwd = forward_nodes(gm)
     return {n.name: (Phase.FORWARD if n in fwd or n.op == "placeholder" else Phase.BACKWARD)
             for n in gm.graph.nodes}
 

@@ -95,18 +95,25 @@ class Layout:
                 dims[p.dim % len(dims)] //= m
         return tuple(dims)
 
-    def shard(self, full: torch.Tensor, coord: tuple[int, ...]) -> torch.Tensor:
-        """The piece of ``full`` that the rank at mesh coordinate ``coord`` holds (a copy).
+    def index(self, coord: tuple[int, ...]) -> tuple[slice, ...]:
+        """Where the piece of the rank at mesh coordinate ``coord`` lies in the global tensor.
 
-        Mesh dims cut in order, each one the chunk left by the previous (DTensor's nesting);
-        a ``Partial`` sum keeps the value on coordinate 0 and zeros elsewhere.
+        Mesh dims cut in order, each one the chunk left by the previous (DTensor's nesting).
         """
-        t = full
+        lo, size = [0] * len(self.shape), list(self.shape)
         for p, m, c in zip(self.placements, self.mesh_shape, coord, strict=True):
             if isinstance(p, Shard):
-                t = t.chunk(m, dim=p.dim % t.dim())[c]
-            elif isinstance(p, Partial) and c != 0:
-                t = torch.zeros_like(t)
+                d = p.dim % len(size)
+                size[d] //= m
+                lo[d] += c * size[d]
+        return tuple(slice(a, a + n) for a, n in zip(lo, size, strict=True))
+
+    def shard(self, full: torch.Tensor, coord: tuple[int, ...]) -> torch.Tensor:
+        """The piece of ``full`` that the rank at ``coord`` holds (a copy); a ``Partial`` sum
+        keeps the value on coordinate 0 of its mesh dim and zeros elsewhere."""
+        t = full[self.index(coord)]
+        if any(isinstance(p, Partial) and c != 0 for p, c in zip(self.placements, coord, strict=True)):
+            t = torch.zeros_like(t)
         return t.contiguous().clone()
 
     def assemble(self, pieces: dict[tuple[int, ...], torch.Tensor]) -> torch.Tensor:

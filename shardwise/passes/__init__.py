@@ -18,6 +18,7 @@ PASSES: dict[str, str] = {
     "norms": "shardwise.passes.norms",
     "sequence_parallel": "shardwise.passes.sequence_parallel",
     "collective_matmul": "shardwise.passes.collective_matmul",
+    "remat": "shardwise.passes.remat",
 }
 
 

@@ -12,25 +12,27 @@ instead, so the forward originals die early::
       g  = mul(dy, r)         (backward)          r' = rsqrt(mean(h1^2))     (copy, just before g)
                                                   g  = mul(dy, r')
 
-Regions. The *backward* starts at the first gradient-carrying node: the seed of autograd, the
-first node outside the forward (the loss and its ancestors) that reads a 0-dim forward value
-(``ones_like(loss)``). Nodes before it form the forward region, nodes after it the backward
-region. Forward-region nodes the graph marks as backward (the ``detach`` of a value autograd
-saves) are forward values like any other; forward nodes after the seed (a lowered program
-delivers its loss last) are never rewritten.
+Regions (``ir/regions.py``). The *backward* starts at the seed of autograd (``ones_like(loss)``):
+nodes before it form the forward region, nodes after it the backward region. Forward-region
+nodes the graph marks as backward (the ``detach`` of a value autograd saves) are forward values
+like any other; forward nodes after the seed (a lowered program delivers its loss last) are
+never rewritten.
 
 Policies (``ACPolicy``), each a set of forward values that are kept (saved); every other forward
 value that is safe to recompute and that the backward reads is recomputed from the kept ones:
 
 - ``none``: nothing is recomputed.
 - ``full``: keep each block's inputs only. The blocks are found on the graph, not by name: the
-  *spine* is the chain of nodes that post-dominate the residual stream (every path from it to
-  the loss passes through them: the residual adds entering each attention and MLP block, and
-  the head); the spine is kept, everything between two spine nodes is recomputed. A model
-  without residual connections is all spine: nothing to recompute.
+  *spine* is the chain of nodes that post-dominate the step's inputs (every path from the token
+  ids to the loss passes through them: the embedding, the residual adds, the head); a spine
+  node that closes a stretch holding an attention op is the middle of a transformer block
+  (``h + attention(h)``, read by the block's MLP) and is recomputed; the other spine nodes
+  (each layer's input, the head) are kept, everything else is recomputed. A model without
+  residual connections is all spine: nothing to recompute.
 - ``selective``: torchtitan's per-op policy (``torchtitan/models/llama3/infra/parallelize.py``,
-  ``_save_list``): keep the spine, every matmul output except every second one (counted in
-  forward order), attention outputs and reduce_scatter outputs; recompute the rest.
+  ``_save_list``): keep the block inputs, every matmul output except every second one (counted
+  from each block's input, as torchtitan counts per checkpointed block), attention outputs and
+  reduce_scatter outputs; recompute the rest.
 
 Collectives: an ``all_gather`` may be recomputed under both policies (that is what FSDP2's
 reshard-after-forward does: parameters are gathered again in the backward); ``full`` also
@@ -65,11 +67,21 @@ import torch
 from torch import fx
 
 from shardwise.errors import UserError
-from shardwise.ir.match import C10D_KINDS, CollectiveKind, is_getitem, is_wait
-from shardwise.ir.meta import fake_value
+from shardwise.ir.match import C10D_KINDS, CollectiveKind, input_closure, is_getitem, is_wait
+from shardwise.ir.regions import (
+    alias_root,
+    backward_start,
+    input_placeholders,
+    is_scalar,
+    is_view_op,
+    spine,
+)
+from shardwise.ir.trace import forward_nodes
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
+# ``node.meta`` key of a copy: the name of the forward node it recomputes (costing prices it).
+RECOMPUTED_FROM = "remat_source"
 
 
 class ACPolicy(enum.Enum):
@@ -201,11 +213,9 @@ def has_tensor_value(node: fx.Node) -> bool:
     return isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v)
 
 
-def _is_view(node: fx.Node) -> bool:
-    t = node.target
-    if not isinstance(t, torch._ops.OpOverload):
-        return node.target is operator.getitem
-    return any(r.alias_info is not None for r in t._schema.returns)
+def _shares_memory(node: fx.Node) -> bool:
+    """A view op, or a ``getitem`` (an element of a tuple result)."""
+    return is_view_op(node) or node.target is operator.getitem
 
 
 def written_values(graph: fx.Graph) -> set[fx.Node]:
@@ -220,14 +230,14 @@ def written_values(graph: fx.Graph) -> set[fx.Node]:
     while changed:
         changed = False
         for n in graph.nodes:
-            if n in out or not _is_view(n):
+            if n in out or not _shares_memory(n):
                 continue
             base = n.all_input_nodes[:1]
             if base and base[0] in out:
                 out.add(n)
                 changed = True
         for n in list(out):
-            if _is_view(n) and n.all_input_nodes and n.all_input_nodes[0] not in out:
+            if _shares_memory(n) and n.all_input_nodes and n.all_input_nodes[0] not in out:
                 out.add(n.all_input_nodes[0])
                 changed = True
     return out
@@ -245,104 +255,6 @@ def safe_to_recompute(node: fx.Node, written: set[fx.Node]) -> bool:
     if collective_kind(node) is not None or is_wait(node):
         return True  # decided with the policy (pairing and kinds)
     return is_pure_op(node) and not is_random(node) and not is_uninitialised(node)
-
-
-# ---------------------------------------------------------------------------------------------
-# Regions and the spine.
-# ---------------------------------------------------------------------------------------------
-
-
-def _output(graph: fx.Graph) -> fx.Node:
-    return next(n for n in reversed(graph.nodes) if n.op == "output")
-
-
-def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """The loss (the graph's first output) and everything it depends on, with the ``getitem``s of
-    forward tuple nodes (attention's logsumexp is read only by the backward)."""
-    out = _output(gm.graph)
-    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    loss = results[0] if results else None
-    fwd: set[fx.Node] = set()
-    stack = [loss] if isinstance(loss, fx.Node) else []
-    while stack:
-        n = stack.pop()
-        if n in fwd:
-            continue
-        fwd.add(n)
-        stack.extend(n.all_input_nodes)
-    for n in gm.graph.nodes:
-        if is_getitem(n) and n.args[0] in fwd:
-            fwd.add(n)
-    return fwd
-
-
-def backward_start(gm: fx.GraphModule, fwd: set[fx.Node] | None = None) -> fx.Node | None:
-    """The seed of the backward: the first non-forward node that reads a 0-dim forward tensor
-    (``ones_like(loss)``); None when the graph has no backward (inference)."""
-    fwd = forward_nodes(gm) if fwd is None else fwd
-    for n in gm.graph.nodes:
-        if n in fwd or n.op in ("placeholder", "output", "get_attr"):
-            continue
-        for a in n.all_input_nodes:
-            v = fake_value(a)
-            if a in fwd and a.op != "placeholder" and v is not None and v.dim() == 0:
-                return n
-    return None
-
-
-def input_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
-    """The placeholders of the step's inputs (not its parameters). A joint graph returns
-    ``(loss, *grads)`` with one slot per parameter, and parameters are the first placeholders
-    (see ``ir/trace.py``); so the inputs are the placeholders after the first ``len(outputs) - 1``."""
-    out = _output(gm.graph)
-    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return placeholders[max(len(results) - 1, 0):]
-
-
-def spine(region: list[fx.Node], exit_node: fx.Node, sources: list[fx.Node]) -> set[fx.Node]:
-    """Nodes of ``region`` on the main chain to ``exit_node``: the longest post-dominator chain
-    from one of ``sources`` (the step's inputs): from the token ids, it is the embedding, the
-    residual stream, the head and the loss (placeholders themselves are not returned).
-
-    A node ``d`` post-dominates ``n`` when every path from ``n`` to the exit passes through
-    ``d``; the immediate post-dominator of ``n`` is the nearest common post-dominator of its
-    users (computed in reverse topological order, walking up the tree by depth).
-    """
-    reach: set[fx.Node] = {exit_node}
-    for n in reversed(region):
-        if n.op != "get_attr" and any(u in reach for u in n.users):
-            reach.add(n)
-    ipdom: dict[fx.Node, fx.Node | None] = {exit_node: None}
-    depth: dict[fx.Node, int] = {exit_node: 0}
-
-    def lca(a: fx.Node, b: fx.Node) -> fx.Node:
-        while a is not b:
-            if depth[a] >= depth[b]:
-                a = ipdom[a]
-            else:
-                b = ipdom[b]
-        return a
-
-    for n in reversed(region):
-        if n not in reach or n is exit_node:
-            continue
-        users = [u for u in n.users if u in depth]
-        d = users[0]
-        for u in users[1:]:
-            d = lca(d, u)
-        ipdom[n] = d
-        depth[n] = depth[d] + 1
-    starts = [s for s in sources if s in depth] or [n for n in depth if n.op == "placeholder"]
-    if not starts:
-        return {exit_node}
-    chain: set[fx.Node] = set()
-    cur: fx.Node | None = max(starts, key=lambda n: depth[n])
-    while cur is not None:
-        if cur.op != "placeholder":
-            chain.add(cur)
-        cur = ipdom[cur]
-    return chain
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,13 +304,37 @@ def _regions(gm: fx.GraphModule) -> _Regions | None:
     return _Regions(fwd, start, nodes[:i], [n for n in nodes[i:] if n.op != "output"])
 
 
+def block_inputs(spine_nodes: set[fx.Node], forward: list[fx.Node]) -> set[fx.Node]:
+    """The spine nodes that enter a block: all but those that close a stretch of the forward
+    holding an attention op (the residual add after attention, the middle of a transformer
+    block: its MLP reads it, and recomputes it from the block's input). Without attention ops
+    every spine node is a block input."""
+    attention = [i for i, n in enumerate(forward) if is_attention(n)]
+    out: set[fx.Node] = set()
+    prev = -1
+    for i, n in enumerate(forward):
+        if n not in spine_nodes:
+            continue
+        if not any(prev < a < i for a in attention):
+            out.add(n)
+        prev = i
+    return out
+
+
 def _kept_by_policy(policy: ACPolicy, forward: list[fx.Node], spine_nodes: set[fx.Node]) -> set[fx.Node]:
-    """Forward nodes the policy saves even though they could be recomputed."""
-    kept = set(spine_nodes)
+    """Forward nodes the policy saves even though they could be recomputed: the block inputs,
+    and under selective torchtitan's save list."""
+    kept = block_inputs(spine_nodes, forward)
     if policy is ACPolicy.SELECTIVE:
-        matmuls = [n for n in forward if is_matmul(n)]
-        # torchtitan counts matmuls and recomputes the 2nd, 4th, ...: keep indices 0, 2, 4...
-        kept.update(m for i, m in enumerate(matmuls) if i % 2 == 0)
+        # torchtitan counts a block's matmuls and recomputes the 2nd, 4th, ...: keep 1st, 3rd...
+        count = 0
+        for n in forward:
+            if n in kept:
+                count = 0  # a new block
+            if is_matmul(n):
+                if count % 2 == 0:
+                    kept.add(n)
+                count += 1
         kept.update(n for n in forward if is_attention(n))
     return kept
 
@@ -443,31 +379,19 @@ def recompute_plan(gm: fx.GraphModule, policy: ACPolicy | str) -> RematPlan:
         plan.saved = _saved(regions, set(), fset)
         plan.reason = "policy none"
         return plan
-    exit_node = next(a for a in regions.start.all_input_nodes if a in regions.fwd and _is_scalar(a))
+    exit_node = next(a for a in regions.start.all_input_nodes if a in regions.fwd and is_scalar(a))
     spine_nodes = spine(regions.forward, exit_node, input_placeholders(gm))
     kept = _kept_by_policy(policy, regions.forward, spine_nodes)
     ok = _recomputable(policy, regions.forward, kept, written_values(gm.graph))
     # The copies: every recomputable forward value a backward reader needs, and (recursively)
     # its recomputable inputs.
-    need: set[fx.Node] = set()
-    stack = [a for r in readers for a in r.all_input_nodes if a in ok]
-    while stack:
-        n = stack.pop()
-        if n in need:
-            continue
-        need.add(n)
-        stack.extend(a for a in n.all_input_nodes if a in ok)
+    need = input_closure(readers, ok)
     plan.recompute = [n for n in regions.forward if n in need]
     plan.kept = kept
     plan.saved = _saved(regions, need, fset)
     if not plan.recompute:
         plan.reason = "no forward value the backward reads is safe to recompute under this policy"
     return plan
-
-
-def _is_scalar(node: fx.Node) -> bool:
-    v = fake_value(node)
-    return v is not None and v.dim() == 0
 
 
 def _saved(regions: _Regions, recomputed: set[fx.Node], fset: set[fx.Node]) -> list[fx.Node]:
@@ -485,14 +409,22 @@ def _saved(regions: _Regions, recomputed: set[fx.Node], fset: set[fx.Node]) -> l
             if n in saved and n.op not in ("placeholder", "get_attr") and has_tensor_value(n)]
 
 
+def recomputed_from(node: fx.Node) -> str | None:
+    """The forward node a copy made by this pass recomputes (None for any other node)."""
+    return node.meta.get(RECOMPUTED_FROM)
+
+
 def saved_bytes(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> int:
-    """Bytes of the tensors ``nodes`` compute (their ``meta["val"]``; tuple nodes count each
-    tensor; non-tensors count 0)."""
+    """Bytes the values of ``nodes`` keep alive (from their ``meta["val"]``): each allocation
+    once, however many views of it are listed; views of placeholders and constants (a
+    parameter's transpose) count 0, they live for the whole step anyway."""
+    roots = {alias_root(n) for n in nodes}
     total = 0
-    for n in nodes:
-        v = n.meta.get("val")
-        vals = v if isinstance(v, (tuple, list)) else (v,)
-        for t in vals:
+    for r in roots:
+        if r.op in ("placeholder", "get_attr"):
+            continue
+        v = r.meta.get("val")
+        for t in v if isinstance(v, (tuple, list)) else (v,):
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
@@ -521,6 +453,7 @@ def _copy_chain(graph: fx.Graph, value: fx.Node, before: fx.Node, recompute: set
         with graph.inserting_before(before):
             c = graph.node_copy(n, lambda a: copies.get(a, a))
         c.meta = dict(n.meta)  # val, seq_nr, stack_trace...: the copy computes the same value
+        c.meta[RECOMPUTED_FROM] = n.name
         copies[n] = c
     return copies[value]
 

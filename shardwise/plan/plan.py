@@ -101,7 +101,10 @@ class Plan:
     info: dict = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
-        doc = {
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    def to_json(self) -> dict:
+        return {
             "version": PLAN_FORMAT_VERSION,
             "name": self.name, "model": self.model, "mesh_shape": list(self.mesh_shape),
             "mesh_names": list(self.mesh_names), "hardware": self.hardware, "train": self.train,
@@ -114,7 +117,6 @@ class Plan:
             "fallback_ops": self.fallback_ops, "status": self.status, "mip_gap": self.mip_gap,
             "info": self.info,
         }
-        Path(path).write_text(json.dumps(doc, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -125,9 +127,12 @@ class Plan:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UserError(f"plan file {str(path)!r} cannot be read as JSON "
                             f"({e.__class__.__name__}).") from None
+        return cls.from_json(doc, f"plan file {str(path)!r}")
+
+    @classmethod
+    def from_json(cls, doc: object, what: str = "the plan") -> Plan:
         if not isinstance(doc, dict) or doc.get("version") != PLAN_FORMAT_VERSION:
-            raise UserError(f"plan file {str(path)!r} is not a shardwise plan of format version "
-                            f"{PLAN_FORMAT_VERSION}.")
+            raise UserError(f"{what} is not a shardwise plan of format version {PLAN_FORMAT_VERSION}.")
         try:
             return cls(
                 name=doc["name"], model=doc["model"], mesh_shape=tuple(doc["mesh_shape"]),
@@ -142,7 +147,7 @@ class Plan:
                 info=doc.get("info", {}),
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"plan file {str(path)!r} is malformed ({e.__class__.__name__}: {e}).") from None
+            raise UserError(f"{what} is malformed ({e.__class__.__name__}: {e}).") from None
 
     def check_matches(self, model: str, mesh_shape: tuple[int, ...], train: bool, fingerprint: str) -> None:
         """Refuse a plan made for another model, mesh, mode or graph, saying which."""

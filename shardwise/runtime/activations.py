@@ -2,7 +2,7 @@
 
 ``run_measured(gm, args)`` runs ``gm`` with an ``fx.Interpreter`` that frees every value after
 its last use (as the generated code does). Just before the backward's first node (the seed of
-autograd, ``passes/remat.backward_start``) it sums the bytes of the distinct storages still
+autograd, ``ir/regions.backward_start``) it sums the bytes of the distinct storages still
 held by values the forward region computed: the saved activations. Storages of the step's
 placeholders (parameters, inputs) and constants are not counted, nor counted twice when a view
 of them is alive: they live for the whole step anyway. Comparing the figure for a program with
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
-from shardwise.passes.remat import backward_start
+from shardwise.ir.regions import backward_start
 
 
 def _storages(value: object) -> list[torch.UntypedStorage]:

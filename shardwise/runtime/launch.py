@@ -344,10 +344,17 @@ def _from_bytes(data: bytes) -> _RankOutput:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank: int, world: int, port: int, backend: str, tasks: bytes, fault: Fault | None,
-            pg_timeout_s: float, results) -> None:
-    """One rank in a fresh process: join the real group, run, report (never raises). ``tasks``
-    is the pickled ``list[_RankTask]``, unpickled once the ops it names are registered."""
+def _run_tasks(rank: int, backend: str, payload: bytes, send) -> bytes:
+    """A rank of ``run``: the pickled ``(tasks, fault)`` -> its outputs as bytes."""
+    tasks, fault = pickle.loads(payload)
+    return _to_bytes(_run_rank(tasks, backend, rank, fault))
+
+
+def _worker(rank: int, world: int, port: int, backend: str, fn, payload: bytes, pg_timeout_s: float,
+            results) -> None:
+    """One rank in a fresh process: join the real group, run ``fn(rank, backend, payload, send)``,
+    report what it returns (never raises). ``payload`` is unpickled by ``fn`` itself, once the
+    ops it names are registered; ``send(obj)`` passes a message (progress) to the parent."""
     try:
         for module in WORKER_IMPORTS:
             importlib.import_module(module)
@@ -356,17 +363,21 @@ def _worker(rank: int, world: int, port: int, backend: str, tasks: bytes, fault:
                               timeout=timedelta(seconds=pg_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout_s))
-        out = _run_rank(pickle.loads(tasks), backend, rank, fault)
-        results.put(("ok", rank, _to_bytes(out)))
+        out = fn(rank, backend, payload, lambda obj: results.put(("msg", rank, obj)))
+        results.put(("ok", rank, out))
     except BaseException as e:  # report everything: the parent names the rank and its error
-        first = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        results.put(("error", rank, first, traceback.format_exc()))
+        results.put(("error", rank, _first_line(e), traceback.format_exc()))
     finally:
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:  # the group may be broken by a failed peer; the process ends anyway
             pass
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,30 +445,49 @@ def run_many(programs: Sequence[SPMDProgram], backend: str = "gloo", *, check: b
 
 def _launch_local(programs, datas, backend: str, world: int, fault: Fault | None, timeout_s: float,
                   check: bool, measure: bool = False):
+    tasks = [_tasks(p, d, measure) for p, d in zip(programs, datas, strict=True)]
+    payloads = [wire.dumps(([t[r] for t in tasks], fault)) for r in range(world)]
+    refs: list = []
+
+    def while_running() -> None:  # the reference runs in this process while the ranks work
+        if check:
+            refs.extend(reference(p, d) for p, d in zip(programs, datas, strict=True))
+
+    outs = spawn(_run_tasks, payloads, backend, timeout_s, while_running=while_running)
+    return [_from_bytes(o) for o in outs], (refs if check else None)
+
+
+def spawn(fn, payloads: Sequence[bytes], backend: str, timeout_s: float, *,
+          while_running=None, on_message=None) -> list:
+    """Run ``fn(rank, backend, payload, send)`` on one fresh process per payload, joined in one
+    real process group; each rank's return value, in rank order. ``fn`` must be a module-level
+    function (it is pickled by name). ``while_running()`` runs here once the ranks started;
+    ``on_message(rank, obj)`` receives what ranks ``send``. Raises ``RunError`` naming the
+    first rank that failed or hung, and no child outlives the call."""
     # Ranks come from the forkserver, a clean single-threaded process that has imported torch and
     # shardwise once: forking this process instead (threads of HiGHS, OpenMP, a store server...)
     # can leave a child blocked forever on a lock some thread held at the fork.
     mp.set_forkserver_preload(list(WORKER_IMPORTS))
     ctx = mp.get_context("forkserver")
-    tasks = [_tasks(p, d, measure) for p, d in zip(programs, datas, strict=True)]
+    world = len(payloads)
     store = dist.TCPStore(LOCALHOST, 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, name=f"shardwise-rank{r}", daemon=True,
-                         args=(r, world, store.port, backend, wire.dumps([t[r] for t in tasks]), fault,
-                               timeout_s * PG_TIMEOUT_SHARE, results))
+                         args=(r, world, store.port, backend, fn, payloads[r], timeout_s * PG_TIMEOUT_SHARE,
+                               results))
              for r in range(world)]
     deadline = time.monotonic() + timeout_s
     try:
         with _main_not_rerun():
             for p in procs:
                 p.start()
-        refs = [reference(p, d) for p, d in zip(programs, datas, strict=True)] if check else None
-        ranks = _collect(results, procs, world, deadline, timeout_s)
+        if while_running is not None:
+            while_running()
+        return _collect(results, procs, world, deadline, timeout_s, on_message)
     finally:
         _kill_all(procs)
         del store
-    return ranks, refs
 
 
 @contextlib.contextmanager
@@ -474,9 +504,9 @@ def _main_not_rerun() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def _collect(results, procs, world: int, deadline: float, timeout_s: float) -> list[_RankOutput]:
+def _collect(results, procs, world: int, deadline: float, timeout_s: float, on_message=None) -> list:
     """Wait for every rank's report; on the first error (or the deadline) raise ``RunError``."""
-    done: dict[int, _RankOutput] = {}
+    done: dict[int, object] = {}
     errors: dict[int, tuple[str, str]] = {}
     grace_end: float | None = None
     while len(done) + len(errors) < world:
@@ -494,7 +524,10 @@ def _collect(results, procs, world: int, deadline: float, timeout_s: float) -> l
                 grace_end = grace_end or time.monotonic() + FAILURE_GRACE_S
             continue
         if msg[0] == "ok":
-            done[msg[1]] = _from_bytes(msg[2])
+            done[msg[1]] = msg[2]
+        elif msg[0] == "msg":
+            if on_message is not None:
+                on_message(msg[1], msg[2])
         else:
             errors[msg[1]] = (msg[2], msg[3])
             grace_end = grace_end or time.monotonic() + FAILURE_GRACE_S

@@ -1,0 +1,244 @@
+"""``shardwise train``: train a model on real process groups, with checkpoints, resume and a check.
+
+Pipeline: check the options and files -> trace the model on fake tensors and plan it (``auto``, a
+baseline or a plan file) here, once -> start one process per rank (or, under ``torchrun``, be one:
+rank 0 then plans and shares its plan) -> every rank builds the model on meta, ``parallelize``s it
+with the plan, initialises its shards from ``--seed`` (or resumes from ``--resume``) and trains
+``--steps`` with AdamW, warmup + cosine LR and gradient clipping, reading only its slice of each
+batch -> ``--check`` trains the same steps in one process in fp32 meanwhile and compares curves.
+
+``--json`` prints one object: ``losses`` (one per step run), ``first_step``, ``tokens_per_s``,
+``step_s``, ``world_size``, ``plan``, ``checkpoints``, and with ``--check`` ``reference_losses`` and
+``max_rel_diff``. On a terminal (never with ``--json``) a progress bar shows step, loss, tokens/s
+and the time left. ``--save-dir`` also gets ``metrics.jsonl`` and ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from shardwise.cli import add_model_options
+from shardwise.cli.run import PLAN_CHOICES, RANK_FAILED_EXIT, check_batch
+from shardwise.errors import UserError
+
+# Seconds a local launch may run per step before its ranks count as hung, on top of a fixed
+# allowance for starting the ranks and lowering the program (two slow cores, four ranks).
+START_ALLOWANCE_S = 120.0
+PER_STEP_ALLOWANCE_S = 30.0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model on real process groups (checkpoints, resume, check)")
+    add_model_options(p, default_model="llama-tiny")
+    p.add_argument("--mesh", default="2", help="device mesh, e.g. 4 or 2x2")
+    p.add_argument("--mesh-names", default=None, help="one name per mesh dim, e.g. dp,tp")
+    p.add_argument("--hardware", default="h100", help="hardware the planner prices for")
+    p.add_argument("--plan", default="auto", help=f"{' | '.join(PLAN_CHOICES)} | path/to/plan.json")
+    p.add_argument("--passes", default="", help="graph passes on the per-rank program")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    p.add_argument("--steps", type=int, default=20, help="training steps (the LR schedule's length)")
+    p.add_argument("--stop-at", type=int, default=None, help="stop after this step (schedule unchanged)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int, default=2, help="linear warmup steps before the cosine decay")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
+    p.add_argument("--data", default=None, help="a local text file (default: a synthetic stream)")
+    p.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer.json (default: bytes)")
+    p.add_argument("--save-dir", default=None, help="where checkpoints, metrics.jsonl and loss.png go")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--resume", default=None, help="continue from the newest checkpoint in this dir")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
+    p.add_argument("--check", action="store_true", help="compare with the same steps in one fp32 process")
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds the planner may solve")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before a silent rank counts as hung")
+    p.set_defaults(handler=run)
+
+
+def _options(args: argparse.Namespace):
+    from shardwise.train.loop import TrainOptions
+
+    opts = TrainOptions(steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                        clip=args.clip, seed=args.seed, save_dir=args.save_dir, save_every=args.save_every,
+                        resume=args.resume, stop_at=args.stop_at)
+    opts.check()
+    return opts
+
+
+def _source(args: argparse.Namespace, spec, save_dir: str | None):
+    from shardwise.train.data import SyntheticSource, byte_source, tokenize_file
+
+    if args.tokenizer and not args.data:
+        raise UserError("--tokenizer needs --data (a text file to tokenize).")
+    if not args.data:
+        return SyntheticSource(spec.vocab_size, args.seed)
+    if args.tokenizer:
+        import tempfile
+
+        out = save_dir or tempfile.mkdtemp(prefix="shardwise-tokens-")
+        return tokenize_file(args.data, args.tokenizer, out, spec.vocab_size)
+    return byte_source(args.data, spec.vocab_size)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from shardwise.mesh import parse_mesh
+    from shardwise.models import get_model
+    from shardwise.passes import PASSES
+    from shardwise.runtime.launch import RunError, _check_backend, under_torchrun
+    from shardwise.train import checkpoint
+    from shardwise.train.job import TrainJob
+
+    t0 = time.perf_counter()
+    if args.inference:
+        raise UserError("train runs training steps; drop --inference.")
+    mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
+    _check_backend(args.backend, mesh.size)
+    passes = tuple(p.strip() for p in args.passes.split(",") if p.strip())
+    for name in passes:
+        if name not in PASSES:
+            raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
+    opts = _options(args)
+    spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
+    check_batch(spec.batch, mesh)
+    source = _source(args, spec, opts.save_dir)
+    job = TrainJob(model=args.model, layers=args.layers, batch=spec.batch, seq=spec.seq, dtype=args.dtype,
+                   mesh=mesh, plan=args.plan, passes=passes, source=source, options=opts,
+                   backend=args.backend, time_limit_s=args.time_limit)
+    if opts.resume:
+        path = checkpoint.latest(opts.resume)
+        meta = checkpoint.read_meta(path)
+        checkpoint.check_compatible(meta, job.build(meta=True)[0], args.model, path)
+        if meta.step >= (opts.stop_at or opts.steps):
+            raise UserError(f"the checkpoint is at step {meta.step}, already past --steps "
+                            f"{opts.stop_at or opts.steps}; raise --steps to train on.")
+    if under_torchrun():
+        return _run_torchrun(args, job, t0)
+    job.plan = _plan_here(args, job).to_json()  # planned once here; ranks lower it
+    steps = (opts.stop_at or opts.steps)
+    timeout = args.timeout or START_ALLOWANCE_S + PER_STEP_ALLOWANCE_S * steps
+    try:
+        res, ref = _launch(job, timeout, check=args.check, show=not args.json and sys.stderr.isatty())
+    except RunError as e:
+        sys.stderr.write(f"shardwise train: error: {e}\n")
+        raise SystemExit(RANK_FAILED_EXIT) from None
+    return _finish(args, job, res, ref, t0)
+
+
+def _plan_here(args: argparse.Namespace, job):
+    from shardwise.cli.run import make_plan_for
+    from shardwise.train.job import _example_inputs
+    from shardwise.train.module import _trace
+
+    model, spec = job.build(meta=True)
+    traced = _trace(model, _example_inputs(spec), train=True, model_name=args.model)
+    return make_plan_for(args.plan, traced, job.mesh, args.model, True, time_limit_s=args.time_limit)
+
+
+def _launch(job, timeout: float, *, check: bool, show: bool):
+    """Run the job on one local process per rank; ``(rank 0's summary, reference losses)``."""
+    from shardwise.runtime import wire
+    from shardwise.runtime.launch import spawn
+    from shardwise.train.job import reference
+
+    refs: list[float] = []
+    steps = (job.options.stop_at or job.options.steps) - _resume_step(job)
+    with _progress(show, steps) as on_message:
+        outs = spawn(train_worker, [wire.dumps(job)] * job.mesh.size, job.backend, timeout,
+                     while_running=(lambda: refs.extend(reference(job))) if check else None,
+                     on_message=on_message)
+    return outs[0], (refs if check else None)
+
+
+def _resume_step(job) -> int:
+    from shardwise.train import checkpoint
+
+    return checkpoint.read_meta(checkpoint.latest(job.options.resume)).step if job.options.resume else 0
+
+
+def train_worker(rank: int, backend: str, payload: bytes, send) -> dict:
+    """A rank of a local launch (module-level: the launcher pickles it by name)."""
+    import pickle
+
+    from shardwise.train.job import run_rank
+
+    return run_rank(pickle.loads(payload), send)
+
+
+def _run_torchrun(args: argparse.Namespace, job, t0: float) -> dict:
+    """This process is one rank: train; rank 0 reports (and runs the reference after)."""
+    import torch.distributed as dist
+
+    from shardwise.train.job import reference, run_rank
+
+    steps = (job.options.stop_at or job.options.steps) - _resume_step(job)
+    rank0 = int(os.environ["RANK"]) == 0
+    with _progress(rank0 and not args.json and sys.stderr.isatty(), steps) as on_message:
+        res = run_rank(job, lambda rec: on_message(0, rec))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if not rank0:
+        args.json = False  # rank 0 speaks for the job
+        return {}
+    ref = reference(job) if args.check else None
+    return _finish(args, job, res, ref, t0)
+
+
+def _finish(args: argparse.Namespace, job, res: dict, ref: list[float] | None, t0: float) -> dict:
+    out = {"world_size": job.mesh.size, "mesh": list(job.mesh.shape), "mesh_names": list(job.mesh.names),
+           "plan": args.plan if args.plan in PLAN_CHOICES else res["plan"], "model": args.model,
+           "data": job.source.describe(), **res, "wall_s": round(time.perf_counter() - t0, 3)}
+    if ref is not None:
+        out["reference_losses"] = ref
+        out["max_rel_diff"] = max((abs(a - b) / abs(b) for a, b in zip(res["losses"], ref, strict=True)),
+                                  default=0.0)
+    if not args.json:
+        _report(out)
+    return out
+
+
+class _progress:
+    """A rich progress bar on stderr fed by rank 0's step records (disabled: a no-op)."""
+
+    def __init__(self, enabled: bool, steps: int) -> None:
+        self.enabled, self.steps, self.bar, self.task = enabled, steps, None, None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda _rank, _rec: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                            TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                            console=Console(stderr=True), transient=True)
+        self.bar.__enter__()
+        self.task = self.bar.add_task("train", total=self.steps, info="starting ranks")
+
+        def update(_rank: int, rec: dict) -> None:
+            info = f"loss {rec['loss']:.4f}  {rec['tokens_per_s']:,.0f} tok/s"
+            self.bar.update(self.task, advance=1, info=info)
+
+        return update
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+def _report(out: dict) -> None:
+    from rich.console import Console
+
+    con = Console()
+    losses = out["losses"]
+    first, last = out["first_step"] + 1, out["first_step"] + len(losses)
+    con.print(f"[bold]{out['model']}[/] trained with the {out['plan']} plan on {out['world_size']} ranks "
+              f"({'x'.join(map(str, out['mesh']))}): steps {first}..{last}")
+    if losses:
+        con.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {out['tokens_per_s']:,.0f} tokens/s, "
+                  f"{out['step_s'] * 1e3:.1f} ms/step")
+    if "max_rel_diff" in out:
+        con.print(f"reference (one process, fp32): max relative difference {out['max_rel_diff']:.2e}")
+    for c in out["checkpoints"]:
+        con.print(f"checkpoint {c}")

@@ -1,0 +1,145 @@
+"""One training job, as every rank runs it and as the single-process reference replays it.
+
+``TrainJob`` is what the ``shardwise train`` command hands each rank (picklable): the model by
+name, the mesh, the plan (already solved by the launcher, or a name for rank 0 to solve under
+torchrun), the passes, the data source and the options. ``run_rank`` builds the model on meta,
+``parallelize``s it, initialises or resumes, trains and saves; rank 0 returns the curve.
+``reference`` trains the same steps in one process, in fp32, from the same weights and data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shardwise.mesh import Mesh
+from shardwise.train import checkpoint
+from shardwise.train.data import batch_rows, global_batch
+from shardwise.train.loop import (
+    TrainOptions,
+    TrainResult,
+    is_rank0,
+    make_optimizer,
+    train_steps,
+    write_metrics,
+)
+
+
+@dataclass
+class TrainJob:
+    model: str
+    layers: int | None
+    batch: int
+    seq: int
+    dtype: str | None
+    mesh: Mesh
+    plan: dict | str  # a plan's JSON, or a name that rank 0 solves
+    passes: tuple[str, ...]
+    source: object  # data.SyntheticSource | data.TokenFileSource
+    options: TrainOptions = field(default_factory=TrainOptions)
+    backend: str = "gloo"
+    time_limit_s: float = 60.0
+
+    def build(self, meta: bool, dtype: str | None = None):
+        from shardwise.train.models import build_model
+
+        return build_model(self.model, layers=self.layers, batch=self.batch, seq=self.seq,
+                           dtype=dtype or self.dtype, meta=meta)
+
+    def build_options(self) -> dict:
+        """What rebuilds this model (kept in checkpoints, for resume checks and export)."""
+        return {"layers": self.layers, "batch": self.batch, "seq": self.seq, "dtype": self.dtype}
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq
+
+
+def _example_inputs(spec) -> list[torch.Tensor]:
+    return [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in spec.example_inputs(True)]
+
+
+def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dict:
+    """Train on this process's rank (the process group is up, or torchrun's environment is set)."""
+    from shardwise.plan.plan import Plan
+    from shardwise.train.module import parallelize
+
+    model, spec = job.build(meta=True)
+    plan = Plan.from_json(job.plan) if isinstance(job.plan, dict) else job.plan
+    pm = parallelize(model, job.mesh, _example_inputs(spec), plan=plan, passes=job.passes,
+                     time_limit_s=job.time_limit_s, backend=job.backend, hardware=job.mesh.hardware)
+    opts = job.options
+    opt, sched = make_optimizer(pm.parameters(), opts)
+    first = 0
+    if opts.resume:
+        first = checkpoint.load(opts.resume, pm, opt, sched, job.model).step
+    else:
+        pm.init_weights(opts.seed)
+    layouts = pm.input_layouts()
+    coord = pm.coordinate()
+    device = torch.device(pm.device_mesh.device_type)
+
+    def step_fn(step: int) -> torch.Tensor:
+        local = []
+        for i, lay in enumerate(layouts):  # (tokens, labels): read only this rank's rows and columns
+            rows, cols = lay.index(coord)
+            local.append(batch_rows(job.source, step, job.batch, job.seq, rows, cols)[i].to(device))
+        loss = pm(*local)
+        loss.backward()
+        return loss.detach()
+
+    def save(step: int) -> str:
+        return str(checkpoint.save(opts.save_dir, step, pm, opt, sched, job.model, job.build_options()))
+
+    def on_step(rec) -> None:
+        if is_rank0():
+            if opts.save_dir:
+                write_metrics(opts.save_dir, [rec], f"{job.model} on {job.mesh}")
+            if send is not None:
+                send(asdict(rec))
+
+    res = train_steps(step_fn, pm, opts, tokens_per_step=job.tokens_per_step, first_step=first,
+                      save=save if opts.save_dir else None, on_step=on_step, optimizer=opt, scheduler=sched)
+    return _summary(res, pm.plan.name) if is_rank0() else {}
+
+
+def _summary(res: TrainResult, plan_name: str) -> dict:
+    recs = res.records
+    # The first step pays one-off costs (allocations, first collectives): timing starts after it.
+    timed = recs[1:] or recs
+    step_s = sum(r.step_s for r in timed) / len(timed) if timed else 0.0
+    return {"first_step": res.first_step, "losses": res.losses, "lrs": [r.lr for r in recs],
+            "grad_norms": [r.grad_norm for r in recs], "step_s": step_s,
+            "tokens_per_s": (sum(r.tokens_per_s for r in timed) / len(timed)) if timed else 0.0,
+            "checkpoints": res.checkpoints, "plan": plan_name}
+
+
+def reference(job: TrainJob) -> list[float]:
+    """The same steps in this process, fp32, from the same weights (or checkpoint) and data."""
+    from shardwise.train.module import init_state_dict
+
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()  # the planner's; DCP must see a single process
+    module, _ = job.build(meta=False, dtype="fp32")
+    opts = job.options
+    opt, sched = make_optimizer(module.parameters(), opts)
+    first = 0
+    if opts.resume:
+        first = checkpoint.load(opts.resume, module, opt, sched, job.model).step
+    else:
+        shapes = {k: (tuple(p.shape), p.dtype) for k, p in module.named_parameters()}
+        with torch.no_grad():
+            for k, v in init_state_dict(shapes, opts.seed).items():
+                module.get_parameter(k).copy_(v)
+
+    def step_fn(step: int) -> torch.Tensor:
+        loss = module(*global_batch(job.source, step, job.batch, job.seq))
+        loss.backward()
+        return loss.detach()
+
+    res = train_steps(step_fn, module, opts, tokens_per_step=job.tokens_per_step, first_step=first,
+                      optimizer=opt, scheduler=sched)
+    return res.losses

@@ -1,0 +1,552 @@
+"""``parallelize``: a model -> an ``nn.Module`` of DTensor parameters running the planned program.
+
+SPMD: every rank calls ``parallelize`` with the same arguments (under ``torchrun``, or in the
+ranks ``shardwise train`` starts). It traces the model on fake tensors (a training step: the
+joint forward+backward graph), plans it (rank 0 solves, the others receive its plan, so a time
+limit can never give two ranks two plans), lowers the plan on this process's real DeviceMesh
+(under fake tensors: nothing runs, the graph's collectives name the mesh's real groups) and runs
+the requested passes on it.
+
+The returned ``ParallelModule`` holds the model's own submodules, so ``named_parameters()`` keep
+the model's names; each parameter is replaced by an ``nn.Parameter`` wrapping a ``DTensor`` in the
+plan's placement. Calling it in training mode runs the whole per-rank step (forward and
+backward, as the plan's graph computes them) inside one ``autograd.Function``: it returns the
+loss, and ``loss.backward()`` hands each parameter its gradient, already synchronised by the
+plan's own collectives and placed as the parameter (nothing is added behind the user's back).
+So ``torch.optim``, ``clip_grad_norm_``, LR schedulers and ``torch.distributed.checkpoint``
+work on it unchanged. In ``eval()`` mode it runs the inference program (planned on first use
+with the parameters fixed where training put them) and returns DTensor outputs.
+
+Weights: a model with real weights is cut into its shards (each rank keeps only its own); a
+model on the meta device gets NaN-filled shards until ``init_weights(seed)`` or a checkpoint
+fills them (the first step refuses NaN weights). ``init_weights`` draws each parameter from a
+generator keyed by (seed, name, row block), so the weights do not depend on the mesh or plan and
+no rank ever materialises more than one block of a tensor it does not hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial
+
+from shardwise.errors import UserError
+from shardwise.ir.trace import Traced
+from shardwise.lower.spmd import Layout, SPMDProgram, lower_on
+from shardwise.mesh import Mesh
+from shardwise.plan.plan import Plan
+from shardwise.runtime.launch import real_constants, retarget_device
+
+# Standard deviation of the normal draw for matrices (embeddings and projections): the usual
+# transformer init (GPT-2, LLaMA reference code); vectors are norm scales (ones) or biases (zeros).
+INIT_STD = 0.02
+# Rows drawn per generator call in ``init_weights``: bounds the memory of a block a rank draws
+# but keeps only part of (a Shard along a later dim).
+INIT_BLOCK_ELEMENTS = 1 << 22
+# The prefix under which ``loss_fn`` wraps the model (stripped from parameter names).
+_WRAPPED = "model"
+
+
+class _WithLoss(nn.Module):
+    """``loss_fn(model(*inputs), *inputs)``: a model that returns outputs, made to return the loss."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.model(*inputs), *inputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups and meshes.
+# ---------------------------------------------------------------------------------------------
+
+
+def _real_group_active() -> bool:
+    return dist.is_initialized() and dist.get_backend() != "fake"
+
+
+def _device_mesh(mesh: Mesh | DeviceMesh | str, mesh_names: Sequence[str] | None,
+                 backend: str) -> tuple[DeviceMesh, Mesh]:
+    """This process's real DeviceMesh and the planner's abstract Mesh of the same shape.
+
+    A ``Mesh`` (or ``"2x2"``) joins a process group first when none is running: torchrun's
+    (from the environment) or, for a one-device mesh, a group of one.
+    """
+    if isinstance(mesh, DeviceMesh):
+        names = mesh.mesh_dim_names or tuple(mesh_names or ())
+        return mesh, Mesh(tuple(mesh.shape), tuple(names))
+    if isinstance(mesh, str):
+        from shardwise.mesh import parse_mesh
+
+        mesh = parse_mesh(mesh, ",".join(mesh_names) if mesh_names else None)
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()  # a planning group left over in this process
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        elif mesh.size == 1:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                                    timeout=timedelta(minutes=5))
+        else:
+            raise UserError(f"mesh {mesh} has {mesh.size} devices but no process group is running; "
+                            "start the script with torchrun --nproc-per-node "
+                            f"{mesh.size} (or call torch.distributed.init_process_group first).")
+    if dist.get_world_size() != mesh.size:
+        raise UserError(f"the process group has {dist.get_world_size()} ranks but mesh {mesh} has "
+                        f"{mesh.size} devices.")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    dm = DeviceMesh(device, torch.arange(mesh.size).view(mesh.shape), mesh_dim_names=mesh.names)
+    return dm, mesh
+
+
+def _object_group() -> dist.ProcessGroup | None:
+    """A group that can move Python objects: the default one on gloo, a gloo twin on NCCL."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def broadcast_plan(plan: Plan | None, make: Callable[[], Plan]) -> Plan:
+    """Rank 0's plan on every rank (``make`` runs on rank 0 only when ``plan`` is None)."""
+    if dist.get_world_size() == 1:
+        return plan if plan is not None else make()
+    box: list[object] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (plan if plan is not None else make()).to_json()
+        except UserError as e:  # every rank must learn it, else they wait forever
+            box[0] = e
+    dist.broadcast_object_list(box, src=0, group=_object_group())
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return Plan.from_json(box[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights.
+# ---------------------------------------------------------------------------------------------
+
+
+def init_kind(name: str, ndim: int) -> str:
+    """How ``init_weights`` fills a parameter: ``normal`` (matrices), ``zeros`` (biases),
+    ``ones`` (other vectors: norm scales)."""
+    if ndim >= 2:
+        return "normal"
+    return "zeros" if name.rsplit(".", 1)[-1] == "bias" else "ones"
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_values(name: str, shape: Sequence[int], dtype: torch.dtype, seed: int,
+                index: tuple[slice, ...] | None = None) -> torch.Tensor:
+    """The values ``init_weights(seed)`` gives parameter ``name`` at ``index`` (default: all):
+    the same numbers whichever rank, mesh or plan asks, drawn a block of rows at a time."""
+    shape = tuple(shape)
+    index = index or tuple(slice(0, d) for d in shape)
+    local = tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True))
+    kind = init_kind(name, len(shape))
+    if kind != "normal":
+        return (torch.zeros if kind == "zeros" else torch.ones)(local, dtype=dtype)
+    row = math.prod(shape[1:])
+    rows_per_block = max(1, INIT_BLOCK_ELEMENTS // max(row, 1))
+    lo, hi, _ = index[0].indices(shape[0])
+    pieces = []
+    for block in range(lo // rows_per_block, (hi - 1) // rows_per_block + 1 if hi > lo else 0):
+        b0 = block * rows_per_block
+        b1 = min(shape[0], b0 + rows_per_block)
+        g = torch.Generator().manual_seed(_block_seed(seed, name, block))
+        vals = torch.randn((b1 - b0, *shape[1:]), generator=g) * INIT_STD
+        pieces.append(vals[(slice(max(lo, b0) - b0, min(hi, b1) - b0), *index[1:])])
+    out = torch.cat(pieces) if pieces else torch.empty(local)
+    return out.to(dtype)
+
+
+def init_state_dict(named_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                    seed: int) -> dict[str, torch.Tensor]:
+    """Full single-device tensors of ``init_weights(seed)`` (for references and exports)."""
+    return {k: init_values(k, shape, dt, seed) for k, (shape, dt) in named_shapes.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The step as one autograd function.
+# ---------------------------------------------------------------------------------------------
+
+
+class _Step(torch.autograd.Function):
+    """Runs the joint graph in forward, returns the loss; backward hands out the gradients it
+    already computed (scaled by the loss's incoming gradient)."""
+
+    @staticmethod
+    def forward(ctx, runner: _Program, inputs: tuple[torch.Tensor, ...], *params: DTensor) -> torch.Tensor:
+        outs = runner.gm(*[p.to_local() for p in params], *inputs)
+        loss = outs[0]
+        ctx.grads = [None if g is None else (g, lay) for g, lay in zip(outs[1:], runner.grad_layouts,
+                                                                      strict=True)]
+        ctx.mesh = runner.device_mesh
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, gout: torch.Tensor):
+        grads = []
+        scale = None if gout is None or bool((gout == 1).all()) else gout
+        for item in ctx.grads:
+            if item is None:
+                grads.append(None)
+                continue
+            g, lay = item
+            g = g if scale is None else g * scale.to(g.dtype)
+            grads.append(DTensor.from_local(g, ctx.mesh, lay.placements, run_check=False, shape=lay.shape,
+                                            stride=_stride(lay.shape)))
+        ctx.grads = None
+        return (None, None, *grads)
+
+
+def _stride(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+@dataclass
+class _Program:
+    """One lowered program bound to this process: its graph, what its inputs and outputs are."""
+
+    program: SPMDProgram
+    gm: fx.GraphModule
+    device_mesh: DeviceMesh
+    module: nn.Module  # the module traced (its parameter names are the graph's)
+    params: list[str]  # traced parameter names, in placeholder order
+    inputs: list[Layout]
+    grad_layouts: list[Layout | None]  # per parameter (training)
+
+    def parameters(self) -> list[nn.Parameter]:
+        named = dict(self.module.named_parameters())
+        return [named[k] for k in self.params]
+
+
+# ---------------------------------------------------------------------------------------------
+# The module.
+# ---------------------------------------------------------------------------------------------
+
+
+class ParallelModule(nn.Module):
+    """The model's submodules with DTensor parameters, running the planned per-rank program."""
+
+    def __init__(self, model: nn.Module, traced_model: nn.Module, device_mesh: DeviceMesh, mesh: Mesh,
+                 traced: Traced, plan: Plan, *, passes: Sequence[str], prefix: str, time_limit_s: float,
+                 model_name: str, n_eval_inputs: int) -> None:
+        super().__init__()
+        # The user's submodules under their own names (no wrapper prefix); top-level parameters
+        # of the model itself are registered on this module below.
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        self._state = {"model": model, "traced_model": traced_model, "mesh": mesh, "traced": traced,
+                       "prefix": prefix, "passes": tuple(passes), "time_limit_s": time_limit_s,
+                       "model_name": model_name, "n_eval_inputs": n_eval_inputs}
+        self.device_mesh = device_mesh
+        self.plan = plan
+        self._train_prog = self._bind(traced, plan, traced_model)
+        self._eval_prog: _Program | None = None
+        self._checked_init = False
+        self._place_parameters(traced_model)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+
+    # -- names -------------------------------------------------------------------------------
+
+    def _user_name(self, traced_name: str) -> str:
+        prefix = self._state["prefix"]
+        if prefix and traced_name.startswith(prefix + "."):
+            return traced_name[len(prefix) + 1:]
+        return traced_name
+
+    # -- programs ----------------------------------------------------------------------------
+
+    def _bind(self, traced: Traced, plan: Plan, module: nn.Module) -> _Program:
+        device = torch.device(self.device_mesh.device_type)
+        program = lower_on(traced, plan, self.device_mesh, rank=dist.get_rank(), device="cpu")
+        program.apply_passes(list(self._state["passes"]))
+        gm = program.gm
+        # Buffers (rotary tables...) were traced as fake constants: give them the module's values.
+        for name, value in real_constants(gm, module).items():
+            setattr(gm, name, value)
+        retarget_device(gm, device)
+        lays = program.param_layouts()
+        names = list(traced.params)
+        for k in names:
+            if any(isinstance(p, Partial) for p in lays[k].placements):
+                raise UserError(f"the plan holds parameter {k} as a pending sum; plan it again.")
+        ph_inputs = {lay.name: lay for lay in program.placeholders}
+        inputs = [ph_inputs[n] for n in traced.inputs]
+        grad_layouts: list[Layout | None] = []
+        if traced.train:
+            by_out = {lay.name: lay for lay in program.outputs if lay is not None}
+            for k in names:
+                g = traced.grads.get(k)
+                lay = by_out.get(g) if g is not None else None
+                if lay is not None and tuple(lay.placements) != tuple(lays[k].placements):
+                    raise UserError(f"the plan delivers the gradient of {k} in another placement than "
+                                    "the parameter; plan it again.")
+                grad_layouts.append(lay)
+        return _Program(program, gm, self.device_mesh, module, names, inputs, grad_layouts)
+
+    def _eval_program(self) -> _Program:
+        if self._eval_prog is None:
+            from shardwise.plan.placement import placements_str
+            from shardwise.plan.planner import Constraints
+
+            st = self._state
+            traced = _trace(st["model"], self._example_inputs(train=False), train=False,
+                            model_name=st["model_name"])
+            fixed = {self._user_name(k): tuple(v) for k, v in self.plan.params.items()}
+            constraints = Constraints(params=fixed, inputs={})
+            plan = broadcast_plan(None, lambda: _solve(traced, st["mesh"], "auto", st["time_limit_s"],
+                                                       constraints))
+            for k, v in fixed.items():
+                if placements_str(plan.params.get(k, v)) != placements_str(v):
+                    raise UserError(f"the inference plan moved parameter {k}; it must keep training's "
+                                    "placement.")
+            self._eval_prog = self._bind(traced, plan, st["model"])
+        return self._eval_prog
+
+    def _example_inputs(self, train: bool) -> list[torch.Tensor]:
+        """Fake global inputs of the traced shapes (inference drops training-only inputs: the
+        inputs are the training ones minus the trailing labels)."""
+        traced: Traced = self._state["traced"]
+        vals = [traced.node(n).meta["val"] for n in traced.inputs]
+        if not train:
+            vals = vals[:self._state["n_eval_inputs"]]
+        return [torch.empty(v.shape, dtype=v.dtype, device="meta") for v in vals]
+
+    # -- parameters --------------------------------------------------------------------------
+
+    def _place_parameters(self, model: nn.Module) -> None:
+        """Replace each parameter (every place it is shared) by a DTensor in its placement."""
+        prog = self._train_prog
+        lays = prog.program.param_layouts()
+        coord = prog.program.coordinate(dist.get_rank())
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        for full_name, p in model.named_parameters(remove_duplicate=False):
+            mod_name, _, attr = full_name.rpartition(".")
+            owners.setdefault(id(p), []).append((model.get_submodule(mod_name), attr))
+        device = torch.device(self.device_mesh.device_type)
+        self._uninitialised: set[str] = set()
+        for name, p in list(model.named_parameters()):
+            lay = lays[name]
+            if p.is_meta:
+                local = torch.full(lay.local_shape(), float("nan"), dtype=lay.dtype, device=device)
+                self._uninitialised.add(name)
+            else:
+                local = lay.shard(p.detach(), coord).to(device)
+            d = DTensor.from_local(local, self.device_mesh, lay.placements, run_check=False,
+                                   shape=lay.shape, stride=_stride(lay.shape))
+            new = nn.Parameter(d, requires_grad=p.requires_grad)
+            for mod, attr in owners[id(p)]:
+                setattr(mod, attr, new)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Fill every parameter's shard with ``init_values`` (matrices ~ N(0, 0.02), norm
+        scales 1, biases 0), the same numbers under any mesh or plan."""
+        lays = self._train_prog.program.param_layouts()
+        coord = self._train_prog.program.coordinate(dist.get_rank())
+        for name, p in self._state["traced_model"].named_parameters():
+            lay = lays[name]
+            vals = init_values(self._user_name(name), lay.shape, lay.dtype, seed, lay.index(coord))
+            p.to_local().copy_(vals)
+        self._uninitialised = set()
+
+    # -- running -----------------------------------------------------------------------------
+
+    def shard_inputs(self, *global_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's pieces of the global inputs, as the plan places them."""
+        prog = self._train_prog if self.training else self._eval_program()
+        if len(global_inputs) != len(prog.inputs):
+            raise UserError(f"the {'training' if self.training else 'inference'} program takes "
+                            f"{len(prog.inputs)} inputs, got {len(global_inputs)}.")
+        coord = prog.program.coordinate(dist.get_rank())
+        device = torch.device(self.device_mesh.device_type)
+        out = []
+        for x, lay in zip(global_inputs, prog.inputs, strict=True):
+            if tuple(x.shape) != lay.shape:
+                raise UserError(f"input {lay.name} has shape {list(x.shape)}; the program was traced "
+                                f"for {list(lay.shape)}.")
+            out.append(lay.shard(x, coord).to(device))
+        return tuple(out)
+
+    def coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinate on the mesh."""
+        return self._train_prog.program.coordinate(dist.get_rank())
+
+    def input_layouts(self) -> list[Layout]:
+        """How the (training or, in eval mode, inference) program places each input."""
+        return list((self._train_prog if self.training else self._eval_program()).inputs)
+
+    def _check_initialised(self) -> None:
+        if self._checked_init:
+            return
+        prog = self._train_prog
+        bad = [self._user_name(k) for k, p in zip(prog.params, prog.parameters(), strict=True)
+               if p.to_local().isnan().any()]
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise UserError(f"parameter {bad[0]}{more} holds no values; call init_weights(seed) or load a "
+                            "checkpoint before the first step.")
+        self._checked_init = True
+
+    def forward(self, *local_inputs: torch.Tensor):
+        self._check_initialised()
+        if self.training:
+            prog = self._train_prog
+            return _Step.apply(prog, tuple(local_inputs), *prog.parameters())
+        prog = self._eval_program()
+        outs = prog.gm(*[p.to_local() for p in prog.parameters()], *local_inputs)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        res = [DTensor.from_local(o, self.device_mesh, lay.placements, run_check=False, shape=lay.shape,
+                                  stride=_stride(lay.shape)) if lay is not None else o
+               for o, lay in zip(outs, prog.program.outputs, strict=True)]
+        return res[0] if len(res) == 1 else tuple(res)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point.
+# ---------------------------------------------------------------------------------------------
+
+
+def _trace(model: nn.Module, inputs: Sequence[torch.Tensor], *, train: bool, model_name: str) -> Traced:
+    """Trace and canonicalise on fake tensors (a meta model traces as one on the CPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardwise.ir.trace import trace
+    from shardwise.passes.pipeline import canonicalize
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [_fake_like(mode, x) if x.is_meta else mode.from_tensor(x, static_shapes=True) for x in inputs]
+    was = model.training
+    model.train(train)
+    try:
+        with _params_as_fakes(model, mode):
+            traced = trace(model, *fakes, train=train, fake_mode=mode, model_name=model_name)
+    finally:
+        model.train(was)
+    canonicalize(traced)
+    return traced
+
+
+def _fake_like(mode, x: torch.Tensor) -> torch.Tensor:
+    with mode:
+        return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+class _params_as_fakes:
+    """While tracing, present meta and DTensor parameters as fake CPU tensors of their global
+    shape (a trace needs only shapes). A parameter shared by several modules stays one object."""
+
+    def __init__(self, model: nn.Module, mode) -> None:
+        self.model, self.mode, self.saved = model, mode, []
+
+    def __enter__(self) -> None:
+        fakes: dict[int, nn.Parameter] = {}
+        for mod in self.model.modules():
+            for attr, p in list(mod._parameters.items()):
+                if p is not None and (p.is_meta or isinstance(p, DTensor)):
+                    if id(p) not in fakes:
+                        fakes[id(p)] = nn.Parameter(_fake_like(self.mode, p), p.requires_grad)
+                    self.saved.append((mod, attr, p))
+                    mod._parameters[attr] = fakes[id(p)]
+            for attr, b in list(mod._buffers.items()):
+                if b is not None and b.is_meta:
+                    self.__exit__()
+                    raise UserError(f"buffer {attr} of {type(mod).__name__} is on the meta device and has "
+                                    "no values; build the model under shardwise.train.params_on_meta() "
+                                    "(buffers stay real) or on the CPU.")
+
+    def __exit__(self, *exc: object) -> None:
+        for mod, attr, p in reversed(self.saved):
+            mod._parameters[attr] = p
+        self.saved = []
+
+
+def _solve(traced: Traced, mesh: Mesh, plan: str, time_limit_s: float, constraints=None) -> Plan:
+    from shardwise.plan.planner import NO_PLAN, make_plan, no_plan_reason
+
+    made = make_plan(traced, mesh, baseline=None if plan == "auto" else plan, time_limit_s=time_limit_s,
+                     constraints=constraints)
+    if made is None:
+        raise UserError(f"the {plan} plan does not apply to mesh {mesh}; it needs a batch and weights "
+                        "the mesh divides" + (" and a mesh dim named tp." if "tp" in plan else "."))
+    if made.status in NO_PLAN:
+        raise UserError(f"plan {plan}: {no_plan_reason(made)}")
+    return made
+
+
+def parallelize(model: nn.Module | str, mesh: Mesh | DeviceMesh | str,
+                example_inputs: Sequence[torch.Tensor], *, plan: str | Plan | Path = "auto",
+                loss_fn: Callable | None = None, passes: Sequence[str] = (), time_limit_s: float = 60.0,
+                mesh_names: Sequence[str] | None = None, backend: str = "gloo", hardware: str = "h100",
+                n_eval_inputs: int | None = None) -> ParallelModule:
+    """Plan, lower and bind ``model`` on ``mesh``; see the module docstring.
+
+    ``model``: an ``nn.Module`` whose forward returns the scalar loss (or whose outputs
+    ``loss_fn(outputs, *inputs)`` turns into it), real or on the meta device. ``example_inputs``:
+    global inputs of the shapes every step will use (real or meta). ``plan``: ``"auto"``, a
+    baseline name (``ddp``, ``fsdp``, ``fsdp_tp``, ``fsdp_tp_sp``), a ``Plan`` or a plan file.
+    ``n_eval_inputs``: how many leading inputs the inference program takes (default: all but the
+    last, the labels, when ``loss_fn`` is None; all of them otherwise).
+    """
+    from shardwise.passes import PASSES
+    from shardwise.plan.baselines import BASELINES
+
+    for name in passes:
+        if name not in PASSES:
+            raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
+    device_mesh, abstract = _device_mesh(mesh, mesh_names, backend)
+    abstract = Mesh(abstract.shape, abstract.names, hardware)
+    model_name = model if isinstance(model, str) else type(model).__name__
+    if isinstance(model, str):
+        raise UserError("parallelize takes an nn.Module; build a named model with "
+                        "shardwise.train.build_model(name).")
+    prefix = ""
+    traced_model: nn.Module = model
+    if loss_fn is not None:
+        traced_model, prefix = _WithLoss(model, loss_fn), _WRAPPED
+    traced = _trace(traced_model, example_inputs, train=True, model_name=model_name)
+    if isinstance(plan, Plan):
+        given: Plan | None = plan
+    elif isinstance(plan, (str, Path)) and str(plan) in ("auto", *BASELINES):
+        given = None
+    elif isinstance(plan, (str, Path)) and Path(plan).exists():
+        given = Plan.load(plan)
+    else:
+        raise UserError(f"plan {str(plan)!r} is neither auto, a baseline ({', '.join(BASELINES)}) nor a "
+                        "plan file.")
+    chosen = broadcast_plan(given, lambda: _solve(traced, abstract, str(plan), time_limit_s))
+    if tuple(chosen.mesh_shape) != tuple(abstract.shape):
+        raise UserError(f"the plan was made for mesh {'x'.join(map(str, chosen.mesh_shape))}, not "
+                        f"{'x'.join(map(str, abstract.shape))}.")
+    from shardwise.lower.spmd import check_plan
+
+    check_plan(traced, chosen)
+    n_in = len(traced.inputs)
+    if n_eval_inputs is None:
+        n_eval_inputs = n_in - 1 if loss_fn is None and n_in > 1 else n_in
+    return ParallelModule(model, traced_model, device_mesh, abstract, traced, chosen, passes=passes,
+                          prefix=prefix, time_limit_s=time_limit_s, model_name=model_name,
+                          n_eval_inputs=n_eval_inputs)

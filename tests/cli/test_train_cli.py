@@ -1,0 +1,140 @@
+"""``shardwise train`` and ``shardwise export`` as users call them: subprocesses, one JSON object on
+stdout, one sentence and exit 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import HF_TINY
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600
+MESH_2X2 = ["--mesh", "2x2", "--mesh-names", "dp,tp"]
+
+
+def shardwise(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "shardwise", *args], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, cwd=REPO)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def train(*args: str) -> dict:
+    return json.loads(shardwise("train", "--json", *args).stdout)
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+def test_train_fsdp_tp_sp_with_passes_matches_one_process_and_resumes_anywhere(tmp_path):
+    """The headline run, then the same curve cut in two: resumed on the same plan, and on another
+    plan and mesh (DCP reshards the checkpoint)."""
+    common = ["--model", "llama-tiny", "--steps", "20"]
+    sp = [*MESH_2X2, "--plan", "fsdp_tp_sp", "--passes", "sequence_parallel,collective_matmul"]
+    straight = train(*common, *sp, "--check")
+    assert straight["world_size"] == 4 and straight["plan"] == "fsdp_tp_sp"
+    assert len(straight["losses"]) == 20 and straight["max_rel_diff"] <= 1e-4
+    assert straight["losses"][-1] < straight["losses"][0] - 1.0
+    assert straight["tokens_per_s"] > 0 and straight["step_s"] > 0
+
+    ck = tmp_path / "ck"
+    first = train(*common, *sp, "--stop-at", "10", "--save-dir", str(ck), "--save-every", "5")
+    assert first["checkpoints"] == [str(ck / "step-000005"), str(ck / "step-000010")]
+    assert (ck / "latest").read_text() == "step-000010"
+    assert len((ck / "metrics.jsonl").read_text().splitlines()) == 10 and (ck / "loss.png").stat().st_size
+    assert max_rel(first["losses"], straight["losses"][:10]) <= 1e-6
+
+    same = train(*common, *sp, "--resume", str(ck))
+    assert same["first_step"] == 10 and max_rel(same["losses"], straight["losses"][10:]) <= 1e-6
+    other = train(*common, "--mesh", "4", "--plan", "ddp", "--resume", str(ck), "--check")
+    assert max_rel(other["losses"], straight["losses"][10:]) <= 1e-5
+    assert other["max_rel_diff"] <= 1e-4  # its reference resumed from the same checkpoint
+
+    # A save that died half-way leaves the last complete checkpoint in charge.
+    (ck / "step-000015.tmp").mkdir()
+    (ck / "step-000015.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    again = train(*common, "--mesh", "2", "--plan", "fsdp", "--resume", str(ck), "--stop-at", "11")
+    assert again["first_step"] == 10 and max_rel(again["losses"], straight["losses"][10:11]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_train_hf_model_on_text_with_a_tokenizer_then_export_for_transformers(tmp_path):
+    """An HF config trains on a local text file through a local tokenizer.json; the checkpoint
+    exports to a directory transformers loads, with the trained weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 200))
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([str(text)], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    model = f"hf:{HF_TINY['llama']}"
+    ck = tmp_path / "ck"
+    res = train("--model", model, *MESH_2X2, "--plan", "fsdp_tp", "--steps", "8", "--data", str(text),
+                "--tokenizer", str(tmp_path / "tokenizer.json"), "--save-dir", str(ck), "--save-every", "8",
+                "--check")
+    assert res["max_rel_diff"] <= 1e-4 and res["losses"][-1] < res["losses"][0]
+
+    out = json.loads(shardwise("export", "--resume", str(ck), "--out", str(tmp_path / "hf"), "--json").stdout)
+    assert out["step"] == 8 and "model.safetensors" in out["files"] and "config.json" in out["files"]
+    import transformers
+
+    from shardwise.train import checkpoint
+    from shardwise.train.models import build_model
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ours, _ = build_model(model, meta=False)
+    checkpoint.load_plain(ck, ours)
+    ids = torch.randint(0, 10, (1, 8))
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, ours(ids), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_train_byte_level_text_on_the_auto_plan(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("shardwise trains on the bytes of this sentence. " * 50)
+    res = train("--model", "llama-tiny", "--mesh", "2", "--steps", "6", "--data", str(text), "--check")
+    assert res["plan"] == "auto" and res["data"] == str(text)
+    assert res["max_rel_diff"] <= 1e-4 and res["losses"][-1] < res["losses"][0]
+
+
+def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "ck").mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    meta = {"version": 1, "step": 4, "model": "llama3-8b", "params": {}, "scheduler": {}, "extra": {}}
+    (other / "step-000004").mkdir()
+    (other / "step-000004" / "shardwise.json").write_text(json.dumps(meta))
+    (other / "latest").write_text("step-000004")
+    base = ["train", "--model", "llama-tiny", "--mesh", "2", "--steps", "2"]
+    cases = {
+        "holds no checkpoint": [*base, "--resume", str(empty)],
+        "is of model 'llama3-8b'": [*base, "--resume", str(other)],
+        "does not exist": [*base, "--data", str(tmp_path / "missing.txt")],
+        "cannot be split": ["train", "--model", "llama-tiny", "--mesh", "8", "--batch", "4"],
+        "unknown pass": [*base, "--passes", "fuse_everything"],
+        "needs --save-dir": [*base, "--save-every", "2"],
+        "--tokenizer needs --data": [*base, "--tokenizer", "tok.json"],
+        "positive integer": [*base[:-2], "--steps", "0"],
+    }
+    for needle, argv in cases.items():
+        proc = shardwise(*argv, "--json", check=False)
+        assert proc.returncode == 2, (needle, proc.stderr)
+        assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+    assert not any((tmp_path / "ck").iterdir())  # nothing half-written
+    proc = shardwise("export", "--resume", str(empty), "--out", str(tmp_path / "x"), check=False)
+    assert proc.returncode == 2 and "holds no checkpoint" in proc.stderr

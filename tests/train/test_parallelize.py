@@ -1,0 +1,196 @@
+"""``shardwise.train.parallelize``: a user's module trained under torchrun with torch's own optimizer,
+clipping and DCP, against the same module trained in one process; and the pieces it is built of."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+
+from shardwise.errors import UserError
+from shardwise.lower.spmd import Layout
+from shardwise.runtime.launch import rel_err
+from shardwise.train import init_values, params_on_meta
+from shardwise.train.module import init_state_dict
+from tests.train import gpt2
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN_TIMEOUT_S = 600
+
+
+def _plain_gpt2(steps: int, seed: int) -> tuple[gpt2.GPT2, list[float]]:
+    """The GPT-2 module trained in one process exactly as the torchrun script trains it."""
+    model = gpt2.GPT2()
+    shapes = {k: (tuple(p.shape), p.dtype) for k, p in model.named_parameters()}
+    with torch.no_grad():
+        for k, v in init_state_dict(shapes, seed).items():
+            model.get_parameter(k).copy_(v)
+    opt = torch.optim.AdamW(model.parameters(), lr=gpt2.LR, weight_decay=gpt2.WEIGHT_DECAY)
+    losses = []
+    for step in range(steps):
+        idx, tgt = gpt2.batch(step)
+        loss = gpt2.loss_fn(model(idx), idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), gpt2.CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, losses
+
+
+@pytest.mark.slow
+def test_user_module_trains_under_torchrun_like_one_process(tmp_path):
+    steps = 15
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "4", str(REPO / "tests/train/gpt2.py"),
+                           str(tmp_path), str(steps)], env=env, capture_output=True, text=True,
+                          timeout=TORCHRUN_TIMEOUT_S, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "result.json").read_text())
+    # Parameters really are sharded (FSDP over dp), under the module's own names, tied head folded.
+    assert got["placements"]["h.0.fc.weight"].startswith("(Shard(dim=0)")
+    assert "lm_head.weight" not in got["placements"] and "wte.weight" in got["placements"]
+
+    model, want = _plain_gpt2(steps, seed=7)
+    assert want[-1] < want[0] - 0.5  # it learns
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want, strict=True))
+    assert rel <= 1e-4, (got["losses"], want)
+
+    # pm.eval() ran the inference program: the logits of the trained weights.
+    with torch.no_grad():
+        logits = model(gpt2.batch(steps)[0])
+    assert torch.allclose(torch.tensor(got["logits"]), logits, rtol=1e-4, atol=1e-5)
+
+    # The DCP checkpoint the ranks saved loads into the plain single-device module.
+    import torch.distributed.checkpoint as dcp
+
+    plain = gpt2.GPT2()
+    state = {"model": plain.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    plain.load_state_dict(state["model"])
+    trained = torch.load(tmp_path / "params.pt")
+    for k, p in model.named_parameters():
+        assert torch.equal(plain.get_parameter(k).detach(), trained[k]), k
+        # Adam normalises gradients, so float-rounding differences in near-zero gradients move a
+        # few elements by a visible fraction of a step: compare at the tensor's scale.
+        assert rel_err(trained[k], p.detach()) <= 1e-3, k
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces, in one process.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_init_values_are_the_same_numbers_whatever_the_shard():
+    shape = (12, 10)
+    full = init_values("layer.w", shape, torch.float32, seed=3)
+    assert full.std().item() == pytest.approx(0.02, rel=0.3)
+    for placements in [(Shard(0), Shard(1)), (Shard(1), Shard(0)), (Shard(0), Replicate())]:
+        lay = Layout("w", shape, torch.float32, placements, (2, 2))
+        for coord in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+            idx = lay.index(coord)
+            assert torch.equal(init_values("layer.w", shape, torch.float32, 3, idx), full[idx])
+            assert torch.equal(lay.shard(full, coord), full[idx])
+    assert not torch.equal(full, init_values("layer.w", shape, torch.float32, seed=4))
+    assert torch.equal(init_values("norm.weight", (5,), torch.float32, 0), torch.ones(5))
+    assert torch.equal(init_values("fc.bias", (5,), torch.float32, 0), torch.zeros(5))
+
+
+def test_init_values_draw_in_blocks_yet_match(monkeypatch):
+    import shardwise.train.module as module
+
+    full = init_values("emb", (40, 8), torch.float32, seed=1)
+    monkeypatch.setattr(module, "INIT_BLOCK_ELEMENTS", 24)  # three rows a block
+    blocked = init_values("emb", (40, 8), torch.float32, seed=1)
+    piece = init_values("emb", (40, 8), torch.float32, 1, (slice(7, 23), slice(2, 6)))
+    assert torch.equal(piece, blocked[7:23, 2:6])
+    assert full.shape == blocked.shape
+
+
+def test_params_on_meta_keeps_buffers_real():
+    class WithBuffer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4096, 4096)
+            self.register_buffer("table", torch.arange(4.0))
+
+    with params_on_meta():
+        m = WithBuffer()
+    assert m.lin.weight.is_meta and m.lin.bias.is_meta
+    assert torch.equal(m.table, torch.arange(4.0))
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # only inside the context
+
+
+@pytest.fixture
+def one_process_group():
+    """parallelize on a one-device mesh starts a group of one; leave none behind."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_one_device_module_is_the_model(one_process_group):
+    """On a mesh of one, the parallel module computes the model's own loss and gradients."""
+    import shardwise.train as sw
+
+    torch.manual_seed(0)
+    model = gpt2.GPT2()
+    idx, tgt = gpt2.batch(0)
+    want = gpt2.loss_fn(model(idx), idx, tgt)
+    want.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    pm = sw.parallelize(model, "1", [idx, tgt], plan="ddp", loss_fn=gpt2.loss_fn, time_limit_s=20)
+    loss = pm(*pm.shard_inputs(idx, tgt))
+    loss.backward()
+    assert torch.allclose(loss, want, rtol=1e-5)
+    for k, p in pm.named_parameters():
+        assert torch.allclose(p.grad.full_tensor(), grads[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_meta_model_refuses_to_run_before_init(one_process_group):
+    import shardwise.train as sw
+
+    with params_on_meta():
+        model = gpt2.GPT2()
+    idx, tgt = gpt2.batch(0)
+    pm = sw.parallelize(model, "1", [idx, tgt], plan="ddp", loss_fn=gpt2.loss_fn, time_limit_s=20)
+    with pytest.raises(UserError, match="init_weights"):
+        pm(*pm.shard_inputs(idx, tgt))
+    pm.init_weights(0)
+    assert torch.isfinite(pm(*pm.shard_inputs(idx, tgt)))
+
+
+def test_forward_without_scalar_loss_is_refused(one_process_group):
+    import shardwise.train as sw
+
+    idx, tgt = gpt2.batch(0)
+    with pytest.raises(UserError, match="scalar loss"):
+        sw.parallelize(gpt2.GPT2(), "1", [idx, tgt], plan="ddp")
+
+
+def test_unknown_plan_and_pass_are_refused(one_process_group):
+    import shardwise.train as sw
+
+    idx, tgt = gpt2.batch(0)
+    with pytest.raises(UserError, match="neither auto"):
+        sw.parallelize(gpt2.GPT2(), "1", [idx, tgt], plan="zero3", loss_fn=gpt2.loss_fn)
+    with pytest.raises(UserError, match="unknown pass"):
+        sw.parallelize(gpt2.GPT2(), "1", [idx, tgt], loss_fn=gpt2.loss_fn, passes=["fuse_everything"])
+
+
+def test_mesh_without_process_group_is_refused():
+    import shardwise.train as sw
+
+    idx, tgt = gpt2.batch(0)
+    assert not dist.is_initialized() or dist.get_backend() == "fake"
+    with pytest.raises(UserError, match="torchrun"):
+        sw.parallelize(gpt2.GPT2(), "2x2", [idx, tgt], loss_fn=gpt2.loss_fn)
