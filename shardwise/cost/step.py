@@ -9,9 +9,10 @@ identical (``plan/cluster.py`` finds them and plans them once), so the schedules
 ``k`` and ``k + PERIOD`` layers differ by exactly ``PERIOD`` layers' forward, backward,
 recomputation and communication, and their peak memory by those layers' saved activations and
 state. The estimate for ``L`` layers is the ``k``-layer one plus ``(L - k) / PERIOD`` times that
-difference. Two layers, not one: the selective AC policy keeps every second matmul counted over
-the whole forward (``passes/remat.py``), and a llama layer has seven, so consecutive layers keep
-different matmuls and only pairs of layers repeat. The steady state's overlap (prefetched
+difference. Two layers, not one: a policy whose choices alternate between consecutive layers
+(every second matmul counted over the whole forward, with seven matmuls a llama layer) still
+repeats over pairs; torchtitan's per-block count (``passes/remat.py``) repeats every layer, which
+pairs cover too. The steady state's overlap (prefetched
 gathers, reduce_scatters under the next layer's backward) is what the difference measures, so
 this is exact once the layers' streams repeat (from the third layer on in the toy of
 ``tests/cost/test_schedule.py``): llama3-70b on 32x8 extrapolated from 3 and 5 layers is within
