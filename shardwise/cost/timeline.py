@@ -78,8 +78,9 @@ def write_png(sched: StepSchedule, path: str | Path, title: str = "") -> None:
             for kind, color in COLORS.items():
                 bars = [(e.start * 1e3, e.dur * 1e3) for e in evs if e.stream == stream and e.kind == kind]
                 if bars:
-                    ax.broken_barh(bars, (k - 0.4, 0.8), facecolors=color, label=kind if k == 0 or
-                                   kind == EventKind.COLLECTIVE else None)
+                    # thin white edges: back-to-back kernels stay apart
+                    ax.broken_barh(bars, (k - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.4,
+                                   label=kind if k == 0 or kind == EventKind.COLLECTIVE else None)
         ax.set_yticks(range(len(rows)), rows)
         ax.invert_yaxis()
         ax.set_xlabel("ms")
