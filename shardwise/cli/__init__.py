@@ -15,7 +15,7 @@ from shardwise.errors import UserError
 from shardwise.stdio import stdout_to_stderr
 
 # Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ("trace", "plan", "run", "train", "export", "cost", "segment")
+COMMANDS = ("trace", "plan", "run", "train", "export", "cost", "segment", "estimate")
 
 
 class _Parser(argparse.ArgumentParser):

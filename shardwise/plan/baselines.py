@@ -18,17 +18,34 @@ by the same cost model as the auto plan and lowered by the same code:
 
 A baseline that cannot be expressed on the mesh (no ``tp`` dim, a batch the data-parallel dims
 do not divide, a weight ``tp`` does not divide) is ``None``.
+
+What each rule reproduces of torchtitan (``torchtitan/models/llama3/infra/parallelize.py``):
+
+- the data-parallel batch rule, the flattened tokens included, and the loss as a pending
+  average (``LOSS_OPS``): each rank computes its own tokens' logits and loss, as FSDP/DDP do;
+- ``fsdp``'s Shard(0) parameters: ``fully_shard`` (FSDP2 shards dim 0); its
+  ``reshard_after_forward`` (gathered again in the backward), the one-layer prefetch and the
+  mixed precision (bf16 compute, fp32 master weights and gradients, ``reduce_dtype=float32``
+  reduce-scatters) are how ``cost/schedule.py`` runs the plan (``cost/step.torchtitan_options``);
+- ``fsdp_tp_sp``'s tensor parallelism: ``ColwiseParallel`` wq/wk/wv/w1/w3, ``RowwiseParallel``
+  wo/w2 with a sequence-sharded output (reduce_scatter), ``SequenceParallel`` norms, the
+  embedding ``RowwiseParallel`` with a sequence-sharded output, the output head
+  ``ColwiseParallel`` (vocabulary-sharded logits).
+- Not reproduced: ``loss_parallel`` (the vocabulary-parallel cross entropy). DTensor's sharding
+  rules have no vocabulary-sharded ``log_softmax``, so the logits are redistributed to be
+  token-sharded for the loss (an all_to_all); no rank holds the full logits either way.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardwise.ir.flops import is_view
 from shardwise.ir.match import arg_node, cast_dtype, is_op, mul_other
@@ -55,6 +72,9 @@ CONV1D_ROW = re.compile(r"c_proj\.weight$")
 VOCAB = re.compile(r"(tok_embeddings|embed_tokens|wte)\.weight$")
 
 aten = torch.ops.aten
+# The loss: data parallelism (torchtitan's, any framework's) computes it on each rank's tokens
+# and averages it, a pending average over the data-parallel dims.
+LOSS_OPS = frozenset({aten.nll_loss_forward.default})
 # The ops a decomposed RMSNorm ends in: their outputs are "the norm's output".
 _NORM_OPS = (aten.rsqrt,)
 
@@ -119,19 +139,28 @@ def baseline_spec(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | None:
 
 def batch_nodes(traced: Traced) -> frozenset[str]:
     """Computed values that carry the batch: they depend on the inputs and their dim 0 is the
-    batch (flattened tokens, losses and weight gradients do not qualify; views follow whatever
-    they view)."""
+    batch or the flattened tokens (losses and weight gradients do not qualify; views follow
+    whatever they view)."""
     if not traced.inputs:
         return frozenset()
-    batch = traced.node(traced.inputs[0]).meta["val"].shape[0]
+    shape = traced.node(traced.inputs[0]).meta["val"].shape
+    # The batch dim, or the batch and sequence flattened into tokens (the logits and the loss
+    # read [tokens, vocab]): torchtitan's data parallelism keeps both split, so no rank ever
+    # holds another rank's logits.
+    batch = {shape[0], math.prod(shape[:2])} if len(shape) >= 2 else {shape[0]}
     reached = {traced.node(i) for i in traced.inputs}
+    # A weight gradient (or its transpose) is no batch value, even when a weight dim happens to
+    # equal the token count.
+    weight_shapes = {s for ph in traced.params.values()
+                     for t in [tuple(traced.node(ph).meta["val"].shape)] for s in (t, t[::-1])}
     out = set()
     for n in traced.gm.graph.nodes:
         if n.op != "call_function" or not any(a in reached for a in n.all_input_nodes):
             continue
         reached.add(n)
         val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() >= 1 and val.shape[0] == batch and not is_view(n):
+        if (isinstance(val, torch.Tensor) and val.dim() >= 1 and val.shape[0] in batch and not is_view(n)
+                and tuple(val.shape) not in weight_shapes):
             out.add(n.name)
     return frozenset(out)
 
@@ -174,6 +203,8 @@ def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placem
             return ps == want
         if not follower and node.name in spec.batch_nodes and any(ps[d] != Shard(0) for d in spec.dp_dims):
             return False
+        if node.target in LOSS_OPS and any(not isinstance(ps[d], Partial) for d in spec.dp_dims):
+            return False  # each rank's loss over its own tokens, averaged (never gathered logits)
         if node.name in at_norms:
             val = flat_tensor_vals(node)[0]
             target = tuple(p if not (isinstance(p, Shard) and p.dim >= val.dim()) else Replicate()

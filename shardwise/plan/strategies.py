@@ -84,16 +84,24 @@ def placeholder_choices(t: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Pl
     return [ps for ps in itertools.product(*per_dim) if divides_evenly(ps, tuple(t.shape), mesh_shape)]
 
 
-def _sum_partials_only(s: Strategy) -> bool:
-    """Pending sums are the only partials our graphs create (matmul contractions, reductions);
-    DTensor's rules also offer avg/max/min partials, which would only bloat the search."""
-    return all(not isinstance(p, Partial) or p.reduce_op == "sum"
+# A mean loss over batch-split tokens is a pending average (DTensor's nll_loss rules): the data
+# parallelism every framework runs (each rank its own tokens' loss, averaged).
+AVG_PARTIAL_OPS = frozenset({torch.ops.aten.nll_loss_forward.default,
+                             torch.ops.aten.nll_loss_backward.default})
+
+
+def _sum_partials_only(s: Strategy, target: object = None) -> bool:
+    """Pending sums are the only partials our graphs create (matmul contractions, reductions),
+    and averages for a mean loss; DTensor's rules also offer other avg/max/min partials, which
+    would only bloat the search."""
+    ok = ("sum", "avg") if target in AVG_PARTIAL_OPS else ("sum",)
+    return all(not isinstance(p, Partial) or p.reduce_op in ok
                for ps in (*s.output, *s.inputs) for p in ps)
 
 
 def _valid(s: Strategy, out_shapes: list[tuple[int, ...] | None], in_shapes: list[tuple[int, ...]],
-           mesh_shape: tuple[int, ...]) -> bool:
-    if not _sum_partials_only(s):
+           mesh_shape: tuple[int, ...], target: object = None) -> bool:
+    if not _sum_partials_only(s, target):
         return False
     if any(ps != on_mesh(ps, mesh_shape) for ps in (*s.output, *s.inputs)):
         return False
@@ -260,14 +268,19 @@ def _dtensor_strategies(node: fx.Node, arg_choices: dict[fx.Node, list[Placement
     try:
         specs = _strategy_specs(func(schema_for(arg_choices)))
     except (IndexError, AssertionError):
-        # Some rules (nll_loss) index every input's strategy list by the first input's position:
-        # ask once per placement of the first input, the others offered whole (replicated).
+        # Some rules (nll_loss) index every input's strategy list by one input's position: ask
+        # once per placement of each input (the backward's pivot is its second), the others
+        # offered replicated.
         rep = (Replicate(),) * mesh.ndim
         specs = []
-        for p in arg_choices[targs[0]]:
-            one = {a: [rep] for a in targs}
-            one[targs[0]] = [p]
-            specs.extend(_strategy_specs(func(schema_for(one))) or [])
+        for pivot in dict.fromkeys(targs):
+            for p in arg_choices[pivot]:
+                one = {a: [rep] for a in targs}
+                one[pivot] = [p]
+                try:
+                    specs.extend(_strategy_specs(func(schema_for(one))) or [])
+                except (IndexError, AssertionError):
+                    continue
     except Exception:
         if len(targs) != 1:
             raise
@@ -518,7 +531,7 @@ def _ask(node: fx.Node, choices: dict[fx.Node, list[Placements]], mesh: DeviceMe
             found = None
     if found is not None:
         found = [_without_mask_partials(node, s) for s in found if _mask_partial_dims(s) <= 1]
-        found = [s for s in dict.fromkeys(found) if _valid(s, out_shapes, in_shapes, mesh_shape)]
+        found = [s for s in dict.fromkeys(found) if _valid(s, out_shapes, in_shapes, mesh_shape, node.target)]
     if not found:
         # factory ops (no tensor inputs) are simply replicated; others fall back, and say so
         return [_replicated(node, len(mesh_shape))], bool(targs)

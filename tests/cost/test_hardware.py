@@ -44,6 +44,14 @@ def test_builtin_specs_load_and_are_hashable():
     assert get_hardware("h100").nvls and not get_hardware("a100").nvls
 
 
+def test_h100_96gb_is_torchtitans_part():
+    """figures.md: torchtitan's H100s have 96 GB of HBM2e at 2.4 TB/s, a 500 W limit (a lower
+    sustained GEMM rate than the 700 W SXM part), 8 per host, 400 Gb/s RDMA per GPU."""
+    hw, sxm = get_hardware("h100-96gb"), get_hardware("h100")
+    assert (hw.mem_capacity, hw.mem_bw, hw.gpus_per_node, hw.inter_bw) == (96e9, 2.4e12, 8, 50e9)
+    assert hw.compute_eff < sxm.compute_eff and hw.mem_bw < sxm.mem_bw
+
+
 def test_times_follow_the_spec():
     hw = get_hardware("h100")
     assert hw.memory_time(3.35e12 * 0.9) == pytest.approx(1.0)
@@ -80,7 +88,7 @@ def test_bad_user_file_names_the_field(tmp_path, edit, field):
 
 
 def test_unknown_name_and_missing_file(tmp_path):
-    with pytest.raises(UserError, match="h100, h200") as e:
+    with pytest.raises(UserError, match="h100, h100-96gb, h200") as e:
         get_hardware("tpu-v5")
     assert "a100" in str(e.value) and "cpu" in str(e.value)
     with pytest.raises(UserError, match="does not exist"):

@@ -199,3 +199,31 @@ def test_sequence_parallel_baseline_gathers_right_before_each_column_projection(
         assert plan.nodes[src.name].output[0][1] == Shard(1), (n.name, src.name)
         checked += 1
     assert checked >= 5  # q, k, v, gate, up (and the head)
+
+
+def test_fsdp_keeps_the_logits_and_the_loss_batch_split():
+    """torchtitan's data parallelism: each rank computes the loss of its own tokens (a pending
+    average), so no rank gathers the [tokens, vocab] logits."""
+    from torch.distributed.tensor import Partial
+
+    from shardwise.ir.flops import is_view
+    from shardwise.plan.ilp import GRAD_SINK
+    from shardwise.plan.planner import destination, edges
+
+    traced = trace_model("llama-tiny", batch=8, seq=32)
+    canonicalize(traced)
+    plan = make_plan(traced, Mesh((4,), ("dp",)), baseline="fsdp")
+    vocab = 256
+    for u, v, j in edges(traced):
+        val = u.meta["val"]
+        base = u
+        while is_view(base):
+            base = base.all_input_nodes[0]
+        weight = base.op == "placeholder"
+        # FSDP gathers weights and reduce-scatters their gradients, never values
+        if val.dim() >= 2 and vocab in val.shape and not weight and j != GRAD_SINK:
+            assert plan.nodes[u.name].output[0] == destination(plan, v, j), f"{u.name} moves"
+    loss = next(n for n in traced.gm.graph.nodes if "nll_loss_forward" in str(n.target))
+    assert plan.nodes[loss.name].output[0] == (Partial("avg"),)
+    logits = next(n for n in traced.gm.graph.nodes if "_log_softmax" == n.name)
+    assert plan.nodes[logits.name].output[0] == (Shard(0),)

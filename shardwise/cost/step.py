@@ -1,0 +1,208 @@
+"""A plan's training step, estimated: trace, plan, schedule, and the figures people report.
+
+``estimate_step`` traces the model (fake tensors), plans it (a baseline by name, the auto plan, or
+a saved plan), lays the step out on streams (``cost/schedule.py``) and reports step time,
+tokens per second per device, MFU, peak memory and the time breakdown.
+
+Deep models without tracing every layer (``extrapolate_from=k``): the decoder layers are
+identical (``plan/cluster.py`` finds them and plans them once), so the schedules of a model with
+``k`` and ``k + PERIOD`` layers differ by exactly ``PERIOD`` layers' forward, backward,
+recomputation and communication, and their peak memory by those layers' saved activations and
+state. The estimate for ``L`` layers is the ``k``-layer one plus ``(L - k) / PERIOD`` times that
+difference. Two layers, not one: a policy whose choices alternate between consecutive layers
+(every second matmul counted over the whole forward, with seven matmuls a llama layer) still
+repeats over pairs; torchtitan's per-block count (``passes/remat.py``) repeats every layer, which
+pairs cover too. The steady state's overlap (prefetched
+gathers, reduce_scatters under the next layer's backward) is what the difference measures, so
+this is exact once the layers' streams repeat (from the third layer on in the toy of
+``tests/cost/test_schedule.py``): llama3-70b on 32x8 extrapolated from 3 and 5 layers is within
+1e-10 of all 80 traced (566.66 tokens/s per GPU either way, the same peak memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from shardwise.cost.hardware import Hardware, get_hardware
+from shardwise.cost.schedule import StepOptions, StepSchedule, schedule_step
+from shardwise.cost.topology import MeshTopology
+from shardwise.errors import UserError
+from shardwise.ir.flops import graph_flops
+from shardwise.ir.trace import Traced
+from shardwise.mesh import Mesh
+from shardwise.plan.plan import Plan
+
+# Mixed precision as torchtitan runs bf16 training (FSDP2 MixedPrecisionPolicy: param_dtype bf16,
+# reduce_dtype fp32, fp32 sharded master weights and gradients).
+MASTER_PARAM_BYTES = 4
+MASTER_GRAD_BYTES = 4
+# Layers per repeat of the schedule: extrapolation traces k and k + PERIOD layers (see above).
+PERIOD = 2
+
+
+@dataclass
+class StepEstimate:
+    step_s: float
+    tokens_per_s_per_device: float
+    mfu: float
+    memory_per_device_bytes: int
+    fits: bool
+    compute_s: float
+    recompute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+    layers: int
+    extrapolated_from: int | None = None
+    schedule: StepSchedule | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "step_s": self.step_s, "tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "mfu": self.mfu, "memory_per_device_bytes": self.memory_per_device_bytes, "fits": self.fits,
+            "breakdown": {"compute_s": self.compute_s, "recompute_s": self.recompute_s,
+                          "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s,
+                          "hidden_comm_s": self.comm_s - self.exposed_comm_s,
+                          "optimizer_s": self.optimizer_s},
+            "layers": self.layers, "extrapolated_from_layers": self.extrapolated_from,
+        }
+
+
+def torchtitan_options(traced: Traced, **kw: object) -> StepOptions:
+    """Step options for torchtitan's mixed precision when the model computes in bf16/fp16."""
+    import torch
+
+    ph = traced.node(next(iter(traced.params.values())))
+    low = ph.meta["val"].dtype in (torch.bfloat16, torch.float16)
+    mp = ({"param_bytes": MASTER_PARAM_BYTES, "grad_bytes": MASTER_GRAD_BYTES, "reduce_fp32": True}
+          if low else {})
+    return StepOptions(**{**mp, **kw})
+
+
+def from_schedule(traced: Traced, plan: Plan, sched: StepSchedule, hw: Hardware, devices: int,
+                  tokens: int, budget: float | None = None) -> StepEstimate:
+    """The reported figures of one schedule. ``tokens``: tokens per step over the whole mesh."""
+    import torch
+
+    dtype = traced.node(next(iter(traced.params.values()))).meta["val"].dtype
+    # MFU as torchtitan reports it: the model's FLOPs (forward and backward, no recomputation,
+    # attention counted whole) over the devices' peak.
+    flops = graph_flops(traced.gm)
+    mfu = flops / devices / sched.step_s / hw.peak(dtype if dtype.is_floating_point else torch.float32)
+    mem = sched.peak_bytes
+    return StepEstimate(
+        step_s=sched.step_s, tokens_per_s_per_device=tokens / devices / sched.step_s, mfu=mfu,
+        memory_per_device_bytes=mem, fits=mem <= (hw.mem_capacity if budget is None else budget),
+        compute_s=sched.compute_s + sched.optimizer_s, recompute_s=sched.recompute_s,
+        comm_s=sched.comm_s, exposed_comm_s=sched.exposed_comm_s, optimizer_s=sched.optimizer_s,
+        layers=0, schedule=sched)
+
+
+def extrapolate(a: StepEstimate, b: StepEstimate, k: int, layers: int, hw: Hardware, tokens: int,
+                devices: int, budget: float | None = None) -> StepEstimate:
+    """From estimates at ``k`` and ``k + PERIOD`` layers to ``layers`` (see the module docstring)."""
+    n = (layers - k) / PERIOD
+
+    def lin(x: float, y: float) -> float:
+        return x + n * (y - x)
+
+    step = lin(a.step_s, b.step_s)
+    mem = int(lin(a.memory_per_device_bytes, b.memory_per_device_bytes))
+    return replace(
+        a, step_s=step, tokens_per_s_per_device=tokens / devices / step,
+        mfu=lin(a.mfu * a.step_s, b.mfu * b.step_s) / step,
+        memory_per_device_bytes=mem, fits=mem <= (hw.mem_capacity if budget is None else budget),
+        compute_s=lin(a.compute_s, b.compute_s), recompute_s=lin(a.recompute_s, b.recompute_s),
+        comm_s=lin(a.comm_s, b.comm_s), exposed_comm_s=lin(a.exposed_comm_s, b.exposed_comm_s),
+        optimizer_s=lin(a.optimizer_s, b.optimizer_s), layers=layers, extrapolated_from=k, schedule=None)
+
+
+def plan_for(traced: Traced, mesh: Mesh, plan: str, time_limit_s: float = 60.0) -> Plan:
+    """A baseline by name, ``auto``, or a saved plan file checked against this graph."""
+    from shardwise.plan import BASELINES, make_plan
+    from shardwise.plan.plan import graph_fingerprint
+    from shardwise.plan.planner import NO_PLAN, no_plan_reason
+
+    if plan in BASELINES or plan == "auto":
+        # Baselines are priced as their authors run them, whatever memory they need: ``fits``
+        # reports whether that is within the device's memory.
+        p = make_plan(traced, mesh, baseline=None if plan == "auto" else plan,
+                      memory_budget=None if plan == "auto" else math.inf, time_limit_s=time_limit_s)
+        if p is None:
+            raise UserError(f"the {plan} plan does not apply to mesh {mesh} (it needs a 'tp' dim, or a "
+                            "batch and weights the mesh divides evenly).")
+        if p.status in NO_PLAN:
+            raise UserError(no_plan_reason(p))
+        return p
+    if not plan.endswith(".json"):
+        raise UserError(f"--plan {plan!r} is neither a plan name ({', '.join(('auto', *BASELINES))}) "
+                        "nor a .json plan file.")
+    p = Plan.load(plan)
+    p.check_matches(traced.model_name, mesh.shape, traced.train, graph_fingerprint(traced.gm))
+    return p
+
+
+def uses_tp(plan: Plan, traced: Traced) -> bool:
+    """The plan is tensor-parallel over a mesh dim named ``tp``: it shards some parameter there
+    and does not split the batch there (FSDP over every dim shards both)."""
+    from torch.distributed.tensor import Shard
+
+    if "tp" not in plan.mesh_names:
+        return False
+    d = list(plan.mesh_names).index("tp")
+    batch_split = any(plan.nodes[i].output[0][d] == Shard(0) for i in traced.inputs if i in plan.nodes)
+    return (plan.mesh_shape[d] > 1 and not batch_split
+            and any(isinstance(ps[d], Shard) for ps in plan.params.values()))
+
+
+def estimate_step(model: str, mesh: Mesh, plan: str, opts: dict, *, batch: int | None = None,
+                  seq: int | None = None, layers: int | None = None, dtype: str | None = None,
+                  memory_budget: float | None = None, extrapolate_from: int | None = None,
+                  time_limit_s: float = 60.0) -> StepEstimate:
+    """Trace, plan and schedule one training step of ``model`` on ``mesh`` (see module doc).
+    ``opts``: ``StepOptions`` fields (``ac``, ``compile``, ``async_tp``)."""
+    from shardwise.ir.trace import trace_model
+    from shardwise.models import get_model
+    from shardwise.passes.pipeline import canonicalize
+
+    spec = get_model(model, layers=layers, batch=batch, seq=seq, dtype=dtype)
+    depths = [spec.n_layers]
+    if extrapolate_from is not None and extrapolate_from + PERIOD < spec.n_layers:
+        if extrapolate_from < 1:
+            raise UserError(f"--extrapolate-from must be at least 1 layer, got {extrapolate_from}.")
+        depths = [extrapolate_from, extrapolate_from + PERIOD]
+    prepared = []
+    for n_layers in depths:
+        traced = trace_model(model, train=True, layers=n_layers, batch=batch, seq=seq, dtype=dtype)
+        canonicalize(traced)
+        p = plan_for(traced, mesh, plan, time_limit_s)
+        if opts.get("async_tp") and not uses_tp(p, traced):
+            raise UserError(f"--async-tp needs a plan that shards weights over a 'tp' mesh dim; the "
+                            f"{p.name} plan on mesh {mesh} has none.")
+        prepared.append((traced, p))
+    hw = get_hardware(mesh.hardware)
+    return estimate_prepared(prepared, spec.n_layers, spec.batch * spec.seq, mesh, hw, opts, memory_budget)
+
+
+def estimate_prepared(prepared: list[tuple[Traced, Plan]], layers: int, tokens: int, mesh: Mesh,
+                      hw: Hardware, opts: dict, memory_budget: float | None = None) -> StepEstimate:
+    """Schedule traced-and-planned steps on ``hw``: one graph of the whole model, or two of
+    ``k`` and ``k + PERIOD`` layers extrapolated to ``layers`` (see the module docstring)."""
+    topo = MeshTopology(mesh.shape, hw)
+    ests = []
+    for traced, p in prepared:
+        sched = schedule_step(traced, p, topo, torchtitan_options(traced, **opts))
+        ests.append(from_schedule(traced, p, sched, hw, mesh.size, tokens, memory_budget))
+        ests[-1].layers = layers
+    if len(ests) == 1:
+        return ests[0]
+    k = len(regions_layers(prepared[0][0]))
+    return extrapolate(ests[0], ests[1], k, layers, hw, tokens, mesh.size, memory_budget)
+
+
+def regions_layers(traced: Traced) -> set[int]:
+    """The decoder layer indices of a traced graph."""
+    from shardwise.plan.cluster import TAIL, regions
+
+    return {r for r in regions(traced).values() if 0 <= r < TAIL}
