@@ -75,8 +75,25 @@ def ensure_fake_world(world_size: int) -> None:
             return
         if dist.get_backend() != "fake":
             raise RuntimeError("a real process group is active; planning needs the fake one.")
-        dist.destroy_process_group()
+        destroy_world()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def destroy_world() -> None:
+    """Destroy the default process group and forget every DTensor decision cached on its meshes.
+
+    DTensor caches sharding propagation (in C++ and Python) and redistribution plans keyed by
+    meshes that compare equal by shape and names alone; a cached result then hands a new mesh's
+    tensors the old mesh object, whose groups died with the world ("could not resolve the
+    process group registered under the name 7" the next time the same mesh layout is lowered).
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+    dist.destroy_process_group()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_redistribute_planner_cache()
 
 
 def parse_mesh(text: str, names: str | None = None, hardware: str = "h100") -> Mesh:

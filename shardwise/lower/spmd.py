@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
-from shardwise.mesh import Mesh
+from shardwise.mesh import Mesh, destroy_world
 from shardwise.plan.placement import Placements, placements_str
 from shardwise.plan.plan import CollectiveCount, Plan, graph_fingerprint, tensor_args
 
@@ -511,7 +511,7 @@ def _fake_mesh(mesh: Mesh, rank: int) -> DeviceMesh:
         if dist.get_backend() != "fake":
             raise RuntimeError("a real process group is active; lower on it with lower_on().")
         if dist.get_world_size() != mesh.size or dist.get_rank() != rank:
-            dist.destroy_process_group()
+            destroy_world()
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=mesh.size)
     return DeviceMesh("cpu", torch.arange(mesh.size).view(mesh.shape), mesh_dim_names=mesh.names)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from shardwise.errors import UserError
 from shardwise.lower.spmd import SPMDProgram, rename_groups
+from shardwise.mesh import destroy_world
 from shardwise.plan.plan import CollectiveCount
 from shardwise.runtime import wire
 from shardwise.runtime.activations import backward_start_name, run_measured
@@ -571,7 +572,7 @@ def _run_torchrun(programs, datas, backend: str, fault: Fault | None,
         raise UserError(f"torchrun started {world} processes but the plan's mesh has "
                         f"{programs[0].world_size} devices.")
     if dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_world()
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     try:
         mine = _run_rank([_tasks(p, d, measure)[rank] for p, d in zip(programs, datas, strict=True)],

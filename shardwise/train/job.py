@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from shardwise.mesh import Mesh
+from shardwise.mesh import Mesh, destroy_world
 from shardwise.train import checkpoint
 from shardwise.train.data import batch_rows, global_batch
 from shardwise.train.loop import (
@@ -128,7 +128,7 @@ def reference(job: TrainJob) -> list[float]:
     from shardwise.train.module import init_state_dict
 
     if dist.is_initialized() and dist.get_backend() == "fake":
-        dist.destroy_process_group()  # the planner's; DCP must see a single process
+        destroy_world()  # the planner's; DCP must see a single process
     module, _ = job.build(meta=False, dtype="fp32")
     opts = job.options
     opt, sched = make_optimizer(module.parameters(), opts)

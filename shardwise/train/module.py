@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Partial
 from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.lower.spmd import Layout, SPMDProgram, lower_on
-from shardwise.mesh import Mesh
+from shardwise.mesh import Mesh, destroy_world
 from shardwise.passes import remat
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan.plan import Plan
@@ -95,7 +95,7 @@ def _device_mesh(mesh: Mesh | DeviceMesh | str, mesh_names: Sequence[str] | None
 
         mesh = parse_mesh(mesh, ",".join(mesh_names) if mesh_names else None)
     if dist.is_initialized() and dist.get_backend() == "fake":
-        dist.destroy_process_group()  # a planning group left over in this process
+        destroy_world()  # a planning group left over in this process
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)

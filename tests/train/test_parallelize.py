@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardwise.errors import UserError
 from shardwise.lower.spmd import Layout
+from shardwise.mesh import destroy_world
 from shardwise.runtime.launch import rel_err
 from shardwise.train import init_values, params_on_meta
 from shardwise.train.module import init_state_dict
@@ -134,7 +135,7 @@ def one_process_group():
     """parallelize on a one-device mesh starts a group of one; leave none behind."""
     yield
     if dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_world()
 
 
 def test_one_device_module_is_the_model(one_process_group):
