@@ -35,6 +35,15 @@ RANK_FAILED_EXIT = 1
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run one sharded step on real process groups and check it")
+    add_program_options(p)
+    p.add_argument("--check", action="store_true", help="compare with the single-process fp32 reference")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent rank counts as hung")
+    p.set_defaults(handler=run)
+
+
+def add_program_options(p: argparse.ArgumentParser) -> None:
+    """The model, mesh, plan, passes and backend options shared by run and train."""
     add_model_options(p, default_model="llama-tiny")
     p.add_argument("--mesh", default="2", help="device mesh, e.g. 4 or 2x2")
     p.add_argument("--mesh-names", default=None, help="one name per mesh dim, e.g. dp,tp")
@@ -42,13 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", default="auto", help=f"{' | '.join(PLAN_CHOICES)} | path/to/plan.json")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--passes", default="", help="graph passes to run on the per-rank program, e.g. "
-                   "sequence_parallel,collective_matmul")
+                   "sequence_parallel,collective_matmul,bucket")
     p.add_argument("--ac", default="none", help="activation checkpointing of the per-rank training "
                    "program: none | selective | full (the remat pass, run after --passes)")
-    p.add_argument("--check", action="store_true", help="compare with the single-process fp32 reference")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent rank counts as hung")
-    p.set_defaults(handler=run)
 
 
 def check_batch(batch: int, mesh) -> None:

@@ -20,8 +20,7 @@ import os
 import sys
 import time
 
-from shardwise.cli import add_model_options
-from shardwise.cli.run import PLAN_CHOICES, RANK_FAILED_EXIT, check_batch
+from shardwise.cli.run import PLAN_CHOICES, RANK_FAILED_EXIT, add_program_options, check_batch
 from shardwise.errors import UserError
 
 # Seconds a local launch may run per step before its ranks count as hung, on top of a fixed
@@ -32,15 +31,7 @@ PER_STEP_ALLOWANCE_S = 30.0
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model on real process groups (checkpoints, resume, check)")
-    add_model_options(p, default_model="llama-tiny")
-    p.add_argument("--mesh", default="2", help="device mesh, e.g. 4 or 2x2")
-    p.add_argument("--mesh-names", default=None, help="one name per mesh dim, e.g. dp,tp")
-    p.add_argument("--hardware", default="h100", help="hardware the planner prices for")
-    p.add_argument("--plan", default="auto", help=f"{' | '.join(PLAN_CHOICES)} | path/to/plan.json")
-    p.add_argument("--passes", default="", help="graph passes on the per-rank program")
-    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    p.add_argument("--ac", default="none", help="activation checkpointing: none | selective | full "
-                   "(the remat pass on the per-rank step, after --passes)")
+    add_program_options(p)
     p.add_argument("--steps", type=int, default=20, help="training steps (the LR schedule's length)")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (schedule unchanged)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")

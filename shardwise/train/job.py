@@ -79,11 +79,7 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
                      ac=job.ac)
     opts = job.options
     opt, sched = make_optimizer(pm.parameters(), opts)
-    first = 0
-    if opts.resume:
-        first = checkpoint.load(opts.resume, pm, opt, sched, job.model).step
-    else:
-        pm.init_weights(opts.seed)
+    first = _start(job, pm, opt, sched, pm.init_weights)
     layouts = pm.input_layouts()
     coord = pm.coordinate()
     device = torch.device(pm.device_mesh.device_type)
@@ -112,6 +108,14 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
     return _summary(res, pm.plan.name) if is_rank0() else {}
 
 
+def _start(job: TrainJob, module, optimizer, scheduler, init_weights: Callable[[int], None]) -> int:
+    """Resume from the job's checkpoint (its step) or initialise the weights (step 0)."""
+    if job.options.resume:
+        return checkpoint.load(job.options.resume, module, optimizer, scheduler, job.model).step
+    init_weights(job.options.seed)
+    return 0
+
+
 def _summary(res: TrainResult, plan_name: str) -> dict:
     recs = res.records
     # The first step pays one-off costs (allocations, first collectives): timing starts after it.
@@ -132,14 +136,14 @@ def reference(job: TrainJob) -> list[float]:
     module, _ = job.build(meta=False, dtype="fp32")
     opts = job.options
     opt, sched = make_optimizer(module.parameters(), opts)
-    first = 0
-    if opts.resume:
-        first = checkpoint.load(opts.resume, module, opt, sched, job.model).step
-    else:
+
+    @torch.no_grad()
+    def init_weights(seed: int) -> None:
         shapes = {k: (tuple(p.shape), p.dtype) for k, p in module.named_parameters()}
-        with torch.no_grad():
-            for k, v in init_state_dict(shapes, opts.seed).items():
-                module.get_parameter(k).copy_(v)
+        for k, v in init_state_dict(shapes, seed).items():
+            module.get_parameter(k).copy_(v)
+
+    first = _start(job, module, opt, sched, init_weights)
 
     def step_fn(step: int) -> torch.Tensor:
         loss = module(*global_batch(job.source, step, job.batch, job.seq))

@@ -33,6 +33,7 @@ from torch.fx.node import map_arg
 
 from shardwise.errors import UnsupportedGraph
 from shardwise.ir.flops import node_flops
+from shardwise.ir.match import input_closure
 from shardwise.passes.segment.classify import SegClass, boundary_bytes_of, is_mutating
 from shardwise.passes.segment.forwarding import Forwarding, ForwardKind, find_forwarded
 from shardwise.passes.segment.merge import Group, initial_groups, merge_groups
@@ -159,22 +160,9 @@ def check_supported(gm: fx.GraphModule) -> None:
                                    "trace the graph on fake tensors (shardwise.trace or make_fx) first.")
 
 
-def _forwarded_closure(nodes: list[fx.Node], forwarding: Forwarding) -> set[fx.Node]:
-    """The forwarded nodes that ``nodes`` read, directly or through other forwarded nodes."""
-    out: set[fx.Node] = set()
-    stack = [p for n in nodes for p in n.all_input_nodes if p in forwarding]
-    while stack:
-        p = stack.pop()
-        if p in out:
-            continue
-        out.add(p)
-        stack.extend(q for q in p.all_input_nodes if q in forwarding)
-    return out
-
-
 def _to_segment(index: int, group: Group, forwarding: Forwarding, order: dict[fx.Node, int]) -> Segment:
     owned = set(group.nodes)
-    fwd = _forwarded_closure(group.nodes, forwarding)
+    fwd = input_closure(group.nodes, forwarding)  # the forwarded nodes the group reads
     members = owned | fwd
     inputs = {p for n in members for p in n.all_input_nodes if p not in members}
     outputs = [n for n in owned if any(u not in owned for u in n.users)]
