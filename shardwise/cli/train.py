@@ -98,9 +98,8 @@ def run(args: argparse.Namespace) -> dict:
     opts = _options(args)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
     check_batch(spec.batch, mesh)
-    source = _source(args, spec, opts.save_dir)
     job = TrainJob(model=args.model, layers=args.layers, batch=spec.batch, seq=spec.seq, dtype=args.dtype,
-                   mesh=mesh, plan=args.plan, passes=passes, source=source, options=opts,
+                   mesh=mesh, plan=args.plan, passes=passes, source=None, options=opts,
                    backend=args.backend, time_limit_s=args.time_limit, ac=args.ac)
     if opts.resume:
         path = checkpoint.latest(opts.resume)
@@ -109,6 +108,9 @@ def run(args: argparse.Namespace) -> dict:
         if meta.step >= (opts.stop_at or opts.steps):
             raise UserError(f"the checkpoint is at step {meta.step}, already past --steps "
                             f"{opts.stop_at or opts.steps}; raise --steps to train on.")
+    # The data last: a tokenized copy is the first thing written (never next to a refused run).
+    # Under torchrun every process tokenizes into its own temporary dir (no two write one file).
+    job.source = _source(args, spec, None if under_torchrun() else opts.save_dir)
     if under_torchrun():
         return _run_torchrun(args, job, t0)
     job.plan = _plan_here(args, job).to_json()  # planned once here; ranks lower it

@@ -39,7 +39,7 @@ class TrainJob:
     mesh: Mesh
     plan: dict | str  # a plan's JSON, or a name that rank 0 solves
     passes: tuple[str, ...]
-    source: object  # data.SyntheticSource | data.TokenFileSource
+    source: object  # data.SyntheticSource | data.TokenFileSource (None until the launcher sets it)
     options: TrainOptions = field(default_factory=TrainOptions)
     backend: str = "gloo"
     time_limit_s: float = 60.0
