@@ -69,9 +69,9 @@ def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) ->
     source = SyntheticSource(spec.vocab_size, 0)
     per = args.batch // world
     if mode.startswith("shardwise"):
-        from shardwise.train import parallelize
+        from shardwise.train import meta_inputs, parallelize
 
-        example = [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in spec.example_inputs(True)]
+        example = meta_inputs(spec)
         # The bucket pass groups the gradient reductions, as DDP and FSDP2 do.
         model = parallelize(module, "2", example, plan=mode.split("-")[1], passes=("bucket",),
                             time_limit_s=60)
@@ -116,14 +116,14 @@ def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) ->
 
 
 def _memory_worker(rank: int, world: int, port: int, args, results) -> None:
-    from shardwise.train import parallelize
+    from shardwise.train import meta_inputs, parallelize
     from shardwise.train.models import build_model
 
     _join(rank, world, port)
     t0 = time.perf_counter()
     module, spec = build_model(args.mem_model, layers=args.mem_layers, batch=args.mem_batch, seq=args.mem_seq)
     size = sum(p.numel() * p.element_size() for p in module.parameters())
-    example = [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in spec.example_inputs(True)]
+    example = meta_inputs(spec)
     pm = parallelize(module, str(world), example, plan="fsdp", time_limit_s=120)
     pm.init_weights(0)
     local = sum(p.to_local().numel() * p.element_size() for p in pm.parameters())

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.lower import lower
     from shardwise.mesh import parse_mesh
     from shardwise.models import get_model
-    from shardwise.passes import PASSES
+    from shardwise.passes import parse_passes
     from shardwise.passes.pipeline import canonicalize
     from shardwise.runtime.counter import as_json
     from shardwise.runtime.launch import RunError, _check_backend, run_many
@@ -123,10 +123,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
     _check_backend(args.backend, mesh.size)
-    passes = [p.strip() for p in args.passes.split(",") if p.strip()]
-    for name in passes:
-        if name not in PASSES:
-            raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
+    passes = list(parse_passes(args.passes))
     train = not args.inference
     ac = _ac_policy(args.ac, train)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)

@@ -78,7 +78,8 @@ def _source(args: argparse.Namespace, spec, save_dir: str | None):
 def run(args: argparse.Namespace) -> dict:
     from shardwise.mesh import parse_mesh
     from shardwise.models import get_model
-    from shardwise.passes import PASSES
+    from shardwise.passes import parse_passes
+    from shardwise.passes.remat import parse_policy
     from shardwise.runtime.launch import RunError, _check_backend, under_torchrun
     from shardwise.train import checkpoint
     from shardwise.train.job import TrainJob
@@ -88,12 +89,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError("train runs training steps; drop --inference.")
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
     _check_backend(args.backend, mesh.size)
-    passes = tuple(p.strip() for p in args.passes.split(",") if p.strip())
-    for name in passes:
-        if name not in PASSES:
-            raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
-    from shardwise.passes.remat import parse_policy
-
+    passes = parse_passes(args.passes)
     parse_policy(args.ac)  # an unknown policy fails before anything starts
     opts = _options(args)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
@@ -105,17 +101,16 @@ def run(args: argparse.Namespace) -> dict:
         path = checkpoint.latest(opts.resume)
         meta = checkpoint.read_meta(path)
         checkpoint.check_compatible(meta, job.build(meta=True)[0], args.model, path)
-        if meta.step >= (opts.stop_at or opts.steps):
+        if meta.step >= opts.last_step:
             raise UserError(f"the checkpoint is at step {meta.step}, already past --steps "
-                            f"{opts.stop_at or opts.steps}; raise --steps to train on.")
+                            f"{opts.last_step}; raise --steps to train on.")
     # The data last: a tokenized copy is the first thing written (never next to a refused run).
     # Under torchrun every process tokenizes into its own temporary dir (no two write one file).
     job.source = _source(args, spec, None if under_torchrun() else opts.save_dir)
     if under_torchrun():
         return _run_torchrun(args, job, t0)
     job.plan = _plan_here(args, job).to_json()  # planned once here; ranks lower it
-    steps = (opts.stop_at or opts.steps)
-    timeout = args.timeout or START_ALLOWANCE_S + PER_STEP_ALLOWANCE_S * steps
+    timeout = args.timeout or START_ALLOWANCE_S + PER_STEP_ALLOWANCE_S * opts.last_step
     try:
         res, ref = _launch(job, timeout, check=args.check, show=not args.json and sys.stderr.isatty())
     except RunError as e:
@@ -126,11 +121,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def _plan_here(args: argparse.Namespace, job):
     from shardwise.cli.run import make_plan_for
-    from shardwise.train.job import _example_inputs
+    from shardwise.train.models import meta_inputs
     from shardwise.train.module import _trace
 
     model, spec = job.build(meta=True)
-    traced = _trace(model, _example_inputs(spec), train=True, model_name=args.model)
+    traced = _trace(model, meta_inputs(spec), train=True, model_name=args.model)
     return make_plan_for(args.plan, traced, job.mesh, args.model, True, time_limit_s=args.time_limit)
 
 
@@ -141,7 +136,7 @@ def _launch(job, timeout: float, *, check: bool, show: bool):
     from shardwise.train.job import reference
 
     refs: list[float] = []
-    steps = (job.options.stop_at or job.options.steps) - _resume_step(job)
+    steps = job.options.last_step - _resume_step(job)
     with _progress(show, steps) as on_message:
         outs = spawn(train_worker, [wire.dumps(job)] * job.mesh.size, job.backend, timeout,
                      while_running=(lambda: refs.extend(reference(job))) if check else None,
@@ -170,7 +165,7 @@ def _run_torchrun(args: argparse.Namespace, job, t0: float) -> dict:
 
     from shardwise.train.job import reference, run_rank
 
-    steps = (job.options.stop_at or job.options.steps) - _resume_step(job)
+    steps = job.options.last_step - _resume_step(job)
     rank0 = int(os.environ["RANK"]) == 0
     with _progress(rank0 and not args.json and sys.stderr.isatty(), steps) as on_message:
         res = run_rank(job, lambda rec: on_message(0, rec))

@@ -116,6 +116,11 @@ class Layout:
             t = torch.zeros_like(t)
         return t.contiguous().clone()
 
+    def to_dtensor(self, local: torch.Tensor, device_mesh: DeviceMesh) -> DTensor:
+        """``local`` (this rank's piece) as the DTensor of this layout on ``device_mesh``."""
+        return DTensor.from_local(local, device_mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=_contiguous_stride(self.shape))
+
     def assemble(self, pieces: dict[tuple[int, ...], torch.Tensor]) -> torch.Tensor:
         """The global tensor from every coordinate's piece (inverse of ``shard``)."""
         return _assemble(self.placements, self.mesh_shape, pieces, ())
@@ -550,9 +555,7 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
     final: dict[int, Placements] = {}
 
     def step(*local: torch.Tensor) -> list[torch.Tensor | None]:
-        placed = [DTensor.from_local(t, device_mesh, lay.placements, run_check=False, shape=lay.shape,
-                                     stride=_contiguous_stride(lay.shape))
-                  for t, lay in zip(local, layouts, strict=True)]
+        placed = [lay.to_dtensor(t, device_mesh) for t, lay in zip(local, layouts, strict=True)]
         outs = lowerer.run(*placed)
         res = []
         for i, (v, sink) in enumerate(zip(outs, sinks, strict=True)):

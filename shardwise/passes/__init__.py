@@ -7,7 +7,7 @@ imported on first use so a CLI call pays only for the passes it runs.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import fx
 
@@ -21,6 +21,16 @@ PASSES: dict[str, str] = {
     "bucket": "shardwise.passes.bucket",
     "remat": "shardwise.passes.remat",
 }
+
+
+def parse_passes(names: str | Sequence[str]) -> tuple[str, ...]:
+    """Pass names from ``"a,b"`` or a sequence; an unknown name is one clear error."""
+    items = names.split(",") if isinstance(names, str) else names
+    out = tuple(n.strip() for n in items if n.strip())
+    for name in out:
+        if name not in PASSES:
+            raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
+    return out
 
 
 def get_pass(name: str) -> Callable[..., int]:

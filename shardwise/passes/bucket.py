@@ -41,6 +41,8 @@ import torch
 from torch import fx
 
 from shardwise.ir.match import (
+    MARKER_OPS,
+    RESHAPE_OPS,
     Collective,
     CollectiveKind,
     all_collectives,
@@ -95,15 +97,14 @@ def _eligible(c: Collective) -> bool:
 
 # Ops that lay a parameter shard out for its gather (a transposed weight gathered along dim 1 is
 # transposed and copied contiguous first): pure, so they may run earlier.
-_LAYOUT_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-                         aten.transpose.int, aten.permute.default, aten.clone.default,
-                         aten.contiguous.default, aten.alias.default, aten.detach.default})
+_LAYOUT_OPS = RESHAPE_OPS | MARKER_OPS | {aten.t.default, aten.transpose.int, aten.permute.default,
+                                          aten.contiguous.default}
 
 
-def _from_inputs(node: fx.Node) -> list[fx.Node] | None:
-    """The layout ops between graph inputs and ``node`` (in graph order), or None when ``node``
-    is computed from anything else."""
-    chain: list[fx.Node] = []
+def _from_inputs(node: fx.Node) -> set[fx.Node] | None:
+    """The layout ops between graph inputs and ``node``, or None when ``node`` is computed from
+    anything else."""
+    chain: set[fx.Node] = set()
     stack = [node]
     while stack:
         n = stack.pop()
@@ -111,12 +112,9 @@ def _from_inputs(node: fx.Node) -> list[fx.Node] | None:
             continue
         if n.op != "call_function" or n.target not in _LAYOUT_OPS:
             return None
-        chain.append(n)
+        chain.add(n)
         stack.extend(n.all_input_nodes)
-    if len(chain) < 2:
-        return chain
-    order = topo_index(node.graph)
-    return sorted(chain, key=order.__getitem__)
+    return chain
 
 
 def find_buckets(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:

@@ -17,6 +17,7 @@ Sources:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,10 +37,15 @@ class SyntheticSource:
     vocab_size: int
     seed: int = 0
 
-    def window(self, sample: int, seq: int) -> np.ndarray:
+    @functools.cached_property
+    def _chain(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids used and, for each position k among them, the position that follows it."""
         rng = np.random.default_rng([self.seed])
         ids = rng.choice(self.vocab_size, size=min(SYNTHETIC_ALPHABET, self.vocab_size), replace=False)
-        nxt = rng.permutation(len(ids))  # position k is followed by position nxt[k]
+        return ids, rng.permutation(len(ids))
+
+    def window(self, sample: int, seq: int) -> np.ndarray:
+        ids, nxt = self._chain
         pos = np.empty(seq + 1, dtype=np.int64)
         pos[0] = np.random.default_rng([self.seed, sample]).integers(0, len(ids))
         for i in range(seq):

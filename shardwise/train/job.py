@@ -48,8 +48,7 @@ class TrainJob:
     def build(self, meta: bool, dtype: str | None = None):
         from shardwise.train.models import build_model
 
-        return build_model(self.model, layers=self.layers, batch=self.batch, seq=self.seq,
-                           dtype=dtype or self.dtype, meta=meta)
+        return build_model(self.model, meta=meta, **{**self.build_options(), "dtype": dtype or self.dtype})
 
     def build_options(self) -> dict:
         """What rebuilds this model (kept in checkpoints, for resume checks and export)."""
@@ -60,13 +59,10 @@ class TrainJob:
         return self.batch * self.seq
 
 
-def _example_inputs(spec) -> list[torch.Tensor]:
-    return [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in spec.example_inputs(True)]
-
-
 def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dict:
     """Train on this process's rank (the process group is up, or torchrun's environment is set)."""
     from shardwise.plan.plan import Plan
+    from shardwise.train.models import meta_inputs
     from shardwise.train.module import parallelize
 
     # DTensor notes at every clip/checkpoint that a 2-D shard gathers in two steps: a performance
@@ -74,7 +70,7 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     model, spec = job.build(meta=True)
     plan = Plan.from_json(job.plan) if isinstance(job.plan, dict) else job.plan
-    pm = parallelize(model, job.mesh, _example_inputs(spec), plan=plan, passes=job.passes,
+    pm = parallelize(model, job.mesh, meta_inputs(spec), plan=plan, passes=job.passes,
                      time_limit_s=job.time_limit_s, backend=job.backend, hardware=job.mesh.hardware,
                      ac=job.ac)
     opts = job.options
@@ -103,8 +99,8 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
             if send is not None:
                 send(asdict(rec))
 
-    res = train_steps(step_fn, pm, opts, tokens_per_step=job.tokens_per_step, first_step=first,
-                      save=save if opts.save_dir else None, on_step=on_step, optimizer=opt, scheduler=sched)
+    res = train_steps(step_fn, pm, opts, opt, sched, tokens_per_step=job.tokens_per_step, first_step=first,
+                      save=save if opts.save_dir else None, on_step=on_step)
     return _summary(res, pm.plan.name) if is_rank0() else {}
 
 
@@ -150,6 +146,6 @@ def reference(job: TrainJob) -> list[float]:
         loss.backward()
         return loss.detach()
 
-    res = train_steps(step_fn, module, opts, tokens_per_step=job.tokens_per_step, first_step=first,
-                      optimizer=opt, scheduler=sched)
+    res = train_steps(step_fn, module, opts, opt, sched, tokens_per_step=job.tokens_per_step,
+                      first_step=first)
     return res.losses

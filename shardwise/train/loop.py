@@ -39,10 +39,14 @@ class TrainOptions:
     resume: str | None = None
     stop_at: int | None = None  # stop after this step (the schedule still spans ``steps``)
 
+    @property
+    def last_step(self) -> int:
+        """The step the run ends after."""
+        return self.stop_at or self.steps
+
     def check(self) -> None:
-        for name in ("steps",):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name} must be a positive integer, got {getattr(self, name)}.")
+        if self.steps <= 0:
+            raise UserError(f"--steps must be a positive integer, got {self.steps}.")
         for name in ("warmup", "save_every"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must not be negative.")
@@ -92,16 +96,15 @@ class TrainResult:
         return [r.loss for r in self.records]
 
 
-def train_steps(step_fn: Callable[[int], torch.Tensor], module: nn.Module, opts: TrainOptions, *,
-                tokens_per_step: int, first_step: int = 0, save: Callable[[int], str] | None = None,
-                on_step: Callable[[StepRecord], None] | None = None, optimizer=None,
-                scheduler=None) -> TrainResult:
+def train_steps(step_fn: Callable[[int], torch.Tensor], module: nn.Module, opts: TrainOptions, optimizer,
+                scheduler, *, tokens_per_step: int, first_step: int = 0,
+                save: Callable[[int], str] | None = None,
+                on_step: Callable[[StepRecord], None] | None = None) -> TrainResult:
     """Run steps ``first_step .. last`` with ``step_fn(step) -> loss`` (which calls backward),
-    clipping, the optimizer and the schedule; ``save(step)`` after every ``save_every`` steps."""
-    if optimizer is None:
-        optimizer, scheduler = make_optimizer(module.parameters(), opts)
+    clipping, ``optimizer`` and ``scheduler`` (from ``make_optimizer``); ``save(step)`` after every
+    ``save_every`` steps."""
     opt, sched = optimizer, scheduler
-    last = opts.stop_at or opts.steps
+    last = opts.last_step
     result = TrainResult(first_step)
     for step in range(first_step, last):
         t0 = time.perf_counter()

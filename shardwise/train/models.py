@@ -39,3 +39,9 @@ def build_model(name: str, *, layers: int | None = None, batch: int | None = Non
         return spec.build_module(), spec
     with params_on_meta():
         return spec.build_module(), spec
+
+
+def meta_inputs(spec) -> list[torch.Tensor]:
+    """A training step's example inputs for ``spec`` (a ``ModelSpec``) as meta tensors: the
+    shapes ``parallelize`` traces, without data."""
+    return [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in spec.example_inputs(True)]

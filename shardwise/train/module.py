@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
@@ -74,10 +74,6 @@ class _WithLoss(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Process groups and meshes.
 # ---------------------------------------------------------------------------------------------
-
-
-def _real_group_active() -> bool:
-    return dist.is_initialized() and dist.get_backend() != "fake"
 
 
 def _device_mesh(mesh: Mesh | DeviceMesh | str, mesh_names: Sequence[str] | None,
@@ -205,7 +201,7 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runner: _Program, inputs: tuple[torch.Tensor, ...], *params: DTensor) -> torch.Tensor:
-        outs = runner.gm(*[p.to_local() for p in params], *inputs)
+        outs = runner.program.gm(*[p.to_local() for p in params], *inputs)
         loss = outs[0]
         ctx.grads = [None if g is None else (g, lay) for g, lay in zip(outs[1:], runner.grad_layouts,
                                                                       strict=True)]
@@ -222,26 +218,16 @@ class _Step(torch.autograd.Function):
                 continue
             g, lay = item
             g = g if scale is None else g * scale.to(g.dtype)
-            grads.append(DTensor.from_local(g, ctx.mesh, lay.placements, run_check=False, shape=lay.shape,
-                                            stride=_stride(lay.shape)))
+            grads.append(lay.to_dtensor(g, ctx.mesh))
         ctx.grads = None
         return (None, None, *grads)
-
-
-def _stride(shape: Sequence[int]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(tuple(shape)):
-        out.append(acc)
-        acc *= d
-    return tuple(reversed(out))
 
 
 @dataclass
 class _Program:
     """One lowered program bound to this process: its graph, what its inputs and outputs are."""
 
-    program: SPMDProgram
-    gm: fx.GraphModule
+    program: SPMDProgram  # its graph bound to this process (real constants, device)
     device_mesh: DeviceMesh
     module: nn.Module  # the module traced (its parameter names are the graph's)
     params: list[str]  # traced parameter names, in placeholder order
@@ -319,20 +305,21 @@ class ParallelModule(nn.Module):
                     raise UserError(f"the plan delivers the gradient of {k} in another placement than "
                                     "the parameter; plan it again.")
                 grad_layouts.append(lay)
-        return _Program(program, gm, self.device_mesh, module, names, inputs, grad_layouts)
+        return _Program(program, self.device_mesh, module, names, inputs, grad_layouts)
 
     def _eval_program(self) -> _Program:
         if self._eval_prog is None:
             from shardwise.plan.placement import placements_str
-            from shardwise.plan.planner import Constraints
+            from shardwise.plan.planner import Constraints, plan_named
 
             st = self._state
-            traced = _trace(st["model"], self._example_inputs(train=False), train=False,
+            traced = _trace(st["model"], self._eval_example_inputs(), train=False,
                             model_name=st["model_name"])
             fixed = {self._user_name(k): tuple(v) for k, v in self.plan.params.items()}
             constraints = Constraints(params=fixed, inputs={})
-            plan = broadcast_plan(None, lambda: _solve(traced, st["mesh"], "auto", st["time_limit_s"],
-                                                       constraints))
+            plan = broadcast_plan(None, lambda: plan_named(traced, st["mesh"], "auto",
+                                                           time_limit_s=st["time_limit_s"],
+                                                           constraints=constraints))
             for k, v in fixed.items():
                 if placements_str(plan.params.get(k, v)) != placements_str(v):
                     raise UserError(f"the inference plan moved parameter {k}; it must keep training's "
@@ -340,14 +327,13 @@ class ParallelModule(nn.Module):
             self._eval_prog = self._bind(traced, plan, st["model"])
         return self._eval_prog
 
-    def _example_inputs(self, train: bool) -> list[torch.Tensor]:
-        """Fake global inputs of the traced shapes (inference drops training-only inputs: the
-        inputs are the training ones minus the trailing labels)."""
+    def _eval_example_inputs(self) -> list[torch.Tensor]:
+        """Meta inputs for the inference trace: the training inputs' leading ``n_eval_inputs``
+        (the trailing ones are labels)."""
         traced: Traced = self._state["traced"]
-        vals = [traced.node(n).meta["val"] for n in traced.inputs]
-        if not train:
-            vals = vals[:self._state["n_eval_inputs"]]
-        return [torch.empty(v.shape, dtype=v.dtype, device="meta") for v in vals]
+        names = traced.inputs[:self._state["n_eval_inputs"]]
+        return [torch.empty(v.shape, dtype=v.dtype, device="meta")
+                for v in (traced.node(n).meta["val"] for n in names)]
 
     # -- parameters --------------------------------------------------------------------------
 
@@ -367,9 +353,7 @@ class ParallelModule(nn.Module):
                 local = torch.full(lay.local_shape(), float("nan"), dtype=lay.dtype, device=device)
             else:
                 local = lay.shard(p.detach(), coord).to(device)
-            d = DTensor.from_local(local, self.device_mesh, lay.placements, run_check=False,
-                                   shape=lay.shape, stride=_stride(lay.shape))
-            new = nn.Parameter(d, requires_grad=p.requires_grad)
+            new = nn.Parameter(lay.to_dtensor(local, self.device_mesh), requires_grad=p.requires_grad)
             for mod, attr in owners[id(p)]:
                 setattr(mod, attr, new)
 
@@ -427,10 +411,9 @@ class ParallelModule(nn.Module):
             prog = self._train_prog
             return _Step.apply(prog, tuple(local_inputs), *prog.parameters())
         prog = self._eval_program()
-        outs = prog.gm(*[p.to_local() for p in prog.parameters()], *local_inputs)
+        outs = prog.program.gm(*[p.to_local() for p in prog.parameters()], *local_inputs)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        res = [DTensor.from_local(o, self.device_mesh, lay.placements, run_check=False, shape=lay.shape,
-                                  stride=_stride(lay.shape)) if lay is not None else o
+        res = [lay.to_dtensor(o, self.device_mesh) if lay is not None else o
                for o, lay in zip(outs, prog.program.outputs, strict=True)]
         return res[0] if len(res) == 1 else tuple(res)
 
@@ -494,13 +477,7 @@ class _params_as_fakes:
         self.saved = []
 
 
-def _solve(traced: Traced, mesh: Mesh, plan: str, time_limit_s: float, constraints=None) -> Plan:
-    from shardwise.plan.planner import plan_named
-
-    return plan_named(traced, mesh, plan, time_limit_s=time_limit_s, constraints=constraints)
-
-
-def parallelize(model: nn.Module | str, mesh: Mesh | DeviceMesh | str,
+def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
                 example_inputs: Sequence[torch.Tensor], *, plan: str | Plan | Path = "auto",
                 loss_fn: Callable | None = None, passes: Sequence[str] = (), time_limit_s: float = 60.0,
                 mesh_names: Sequence[str] | None = None, backend: str = "gloo", hardware: str = "h100",
@@ -516,19 +493,18 @@ def parallelize(model: nn.Module | str, mesh: Mesh | DeviceMesh | str,
     checkpointing of the training program (``none``, ``selective``, ``full``: the remat pass,
     after ``passes``).
     """
-    from shardwise.passes import PASSES
+    from shardwise.passes import parse_passes
     from shardwise.plan.baselines import BASELINES
+    from shardwise.plan.planner import plan_named
 
-    for name in passes:
-        if name not in PASSES:
-            raise UserError(f"unknown pass {name!r}; known passes: {', '.join(PASSES)}.")
+    if not isinstance(model, nn.Module):
+        raise UserError("parallelize takes an nn.Module; build a named model with "
+                        "shardwise.train.build_model(name).")
+    passes = parse_passes(passes)
     policy = remat.parse_policy(ac)
     device_mesh, abstract = _device_mesh(mesh, mesh_names, backend)
     abstract = Mesh(abstract.shape, abstract.names, hardware)
-    model_name = model if isinstance(model, str) else type(model).__name__
-    if isinstance(model, str):
-        raise UserError("parallelize takes an nn.Module; build a named model with "
-                        "shardwise.train.build_model(name).")
+    model_name = type(model).__name__
     prefix = ""
     traced_model: nn.Module = model
     if loss_fn is not None:
@@ -543,7 +519,7 @@ def parallelize(model: nn.Module | str, mesh: Mesh | DeviceMesh | str,
     else:
         raise UserError(f"plan {str(plan)!r} is neither auto, a baseline ({', '.join(BASELINES)}) nor a "
                         "plan file.")
-    chosen = broadcast_plan(given, lambda: _solve(traced, abstract, str(plan), time_limit_s))
+    chosen = broadcast_plan(given, lambda: plan_named(traced, abstract, str(plan), time_limit_s=time_limit_s))
     if tuple(chosen.mesh_shape) != tuple(abstract.shape):
         raise UserError(f"the plan was made for mesh {'x'.join(map(str, chosen.mesh_shape))}, not "
                         f"{'x'.join(map(str, abstract.shape))}.")
