@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.cli import add_model_options
+from shardwise.cli import add_model_options, add_step_options, step_options
 from shardwise.cli.plan import add_mesh_options
 from shardwise.errors import UserError
-
-AC_CHOICES = ("none", "selective", "full")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,11 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_options(p)
     add_mesh_options(p)
     p.add_argument("--plan", default="auto", help="auto, ddp, fsdp, fsdp_tp, fsdp_tp_sp or a saved plan.json")
-    p.add_argument("--ac", default="none", help="activation checkpointing: none (default), selective or full")
-    p.add_argument("--compile", action="store_true",
-                   help="price memory-bound work as torch.compile's fused kernels")
-    p.add_argument("--async-tp", action="store_true",
-                   help="fuse tensor-parallel collectives with their matmuls")
+    add_step_options(p)
     p.add_argument("--memory", default=None, help="memory per device to check the peak against (default: the "
                    "hardware's)")
     p.add_argument("--extrapolate-from", type=int, default=None, metavar="K",
@@ -47,20 +41,15 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.cost.step import estimate_step
     from shardwise.cost.units import parse_bytes
     from shardwise.mesh import parse_mesh
-    from shardwise.passes.remat import ACPolicy
 
     if args.inference:
         raise UserError("estimate prices a training step; drop --inference.")
-    if args.ac not in AC_CHOICES:
-        raise UserError(f"--ac {args.ac!r} is unknown; use one of {', '.join(AC_CHOICES)}.")
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
+    opts = step_options(args, mesh.names)
     hw = get_hardware(args.hardware)
-    if args.async_tp and "tp" not in mesh.names:
-        raise UserError(f"--async-tp needs a tensor-parallel mesh dim named 'tp'; mesh {mesh} has none.")
     if (args.timeline or args.timeline_png) and args.extrapolate_from is not None:
         raise UserError("--timeline needs the whole step traced; drop --extrapolate-from.")
     budget = parse_bytes(args.memory) if args.memory else None
-    opts = {"ac": ACPolicy(args.ac), "compile": args.compile, "async_tp": args.async_tp}
     est = estimate_step(args.model, mesh, args.plan, opts, batch=args.batch, seq=args.seq,
                         layers=args.layers, dtype=args.dtype, memory_budget=budget,
                         extrapolate_from=args.extrapolate_from, time_limit_s=args.time_limit)

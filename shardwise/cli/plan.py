@@ -2,7 +2,15 @@
 
     shardwise plan --model llama3-8b --mesh 8x8 [--mesh-names dp,tp] [--hardware h100]
         [--memory 80GiB] [--optimizer adam] [--batch B --seq S] [--inference] [--time-limit S]
-        [--save plan.json] [--json] [--constrain NAME=PLACEMENTS ...] [--explain PARAM_OR_NODE ...]
+        [--ac none|selective|full] [--compile] [--async-tp]
+        [--save plan.json] [--save-all DIR] [--json] [--constrain NAME=PLACEMENTS ...]
+        [--explain PARAM_OR_NODE ...]
+
+A training step's auto plan and every hand plan are priced by the step schedule, as
+``shardwise estimate`` prices them with the same ``--ac``/``--compile``/``--async-tp`` (async TP
+where a plan is tensor-parallel), and the auto plan is the fastest by it of the ILP's solution
+and the hand plans that fit: ``shardwise estimate --plan`` of a plan saved here gives the step
+time printed here.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from shardwise.cli import add_model_options
+from shardwise.cli import add_model_options, add_step_options, step_options
 from shardwise.errors import UserError
 
 # What makes a --constrain NAME a glob (fnmatch's wildcards).
@@ -32,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "sgd-momentum or sgd")
     p.add_argument("--time-limit", type=float, default=180.0, help="solver time limit in seconds")
     p.add_argument("--save", default=None, help="write the plan as JSON to this path")
+    p.add_argument("--save-all", default=None, metavar="DIR",
+                   help="write the auto plan and every hand plan that applies as DIR/NAME.json")
+    add_step_options(p)
     p.add_argument("--no-baselines", action="store_true",
                    help="skip planning the hand-written baselines (the solver then starts from nothing: "
                         "a time limit may leave no plan)")
@@ -116,7 +127,6 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     from shardwise.ir.trace import trace_model
     from shardwise.mesh import parse_mesh
     from shardwise.passes.pipeline import canonicalize
-    from shardwise.plan import make_plan
     from shardwise.plan.explain import explain
     from shardwise.plan.ilp import OPTIMIZER_STATE_BYTES, MemoryModel
     from shardwise.plan.planner import NO_PLAN, no_plan_reason, plan_with_baselines
@@ -129,6 +139,9 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     if args.optimizer not in OPTIMIZER_STATE_BYTES:
         raise UserError(f"unknown optimizer {args.optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}.")
     budget = parse_bytes(args.memory) if args.memory else None
+    opts = step_options(args, mesh.names)
+    if args.inference and (args.ac != "none" or args.compile or args.async_tp):
+        raise UserError("--ac, --compile and --async-tp price a training step; drop them with --inference.")
     t0 = time.perf_counter()
     traced = trace_model(args.model, train=not args.inference, layers=args.layers, batch=args.batch,
                          seq=args.seq, dtype=args.dtype)
@@ -142,17 +155,31 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     options = {"memory_budget": budget, "clustering": not args.no_cluster, "time_limit_s": args.time_limit,
                "memory": memory}
     if args.no_baselines:
-        plan, hand = make_plan(traced, mesh, constraints=constraints, on_phase=say, **options), {}
+        plan, hand = plan_with_baselines(traced, mesh, baselines=(), constraints=constraints, on_phase=say,
+                                         step_options=opts, **options)
     else:
-        plan, hand = plan_with_baselines(traced, mesh, constraints=constraints, on_phase=say, **options)
+        plan, hand = plan_with_baselines(traced, mesh, constraints=constraints, on_phase=say,
+                                         step_options=opts, **options)
     if plan.status in NO_PLAN:
         raise UserError(no_plan_reason(plan))
-    baselines = {name: b.estimate.total_s if b is not None and b.status not in NO_PLAN else None
-                 for name, b in hand.items()}
+    applied = {name: b for name, b in hand.items() if b is not None and b.status not in NO_PLAN}
     if args.save:
         plan.save(args.save)
+    if args.save_all:
+        _save_all(args.save_all, {"auto": plan, **applied})
     timings = plan.info["timings"]
     out = plan_summary(plan)
+    out["plans"] = {"auto": plan_row(plan), **{name: plan_row(hand[name]) if name in applied else None
+                                                for name in hand}}
+    out["step_s"] = out["plans"]["auto"]["step_s"]
+    # "ilp": the ILP's solution; a hand plan's name: it was faster by the schedule.
+    out["chosen_from"] = plan.info.get("chosen_from", "ilp")
+    if "ilp_solution" in plan.info:
+        out["plans"]["ilp"] = {k: plan.info["ilp_solution"].get(k) for k in PLAN_ROW}
+    # Each hand plan's step time by the measure the auto plan is chosen by (the schedule when
+    # training, the node-by-node sum otherwise).
+    baselines = {name: row["step_s"] if row is not None else None
+                 for name, row in out["plans"].items() if name in hand}
     out["timings"] = {"trace_s": trace_s, "strategies_s": timings["strategies_s"],
                       "ilp_build_s": timings["ilp_build_s"], "solve_s": timings["solve_s"],
                       "total_s": trace_s + timings["total_s"]}
@@ -162,6 +189,40 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
         say("explaining " + ", ".join(args.explain))
         out["explain"] = {name: explain(traced, plan, name, memory=memory).to_json() for name in args.explain}
     return traced, plan, mesh, out
+
+
+# What ``--json`` reports of each plan: its step by the schedule (and by what it is made of),
+# its ILP objective, its memory by the schedule's peak.
+PLAN_ROW = ("step_s", "objective_s", "exposed_comm_s", "comm_s", "compute_s", "recompute_s",
+            "memory_per_device_bytes", "fits", "async_tp")
+
+
+def plan_row(plan) -> dict:
+    """One plan's figures: the schedule's (training) or the node-by-node sum's (inference)."""
+    sched = plan.info.get("schedule")
+    if sched is None:  # inference: no schedule; the serial sum is the measure
+        est = plan.estimate
+        return {"step_s": est.total_s, "objective_s": plan.info.get("objective_s", est.total_s),
+                "exposed_comm_s": est.comm_s, "comm_s": est.comm_s, "compute_s": est.compute_s,
+                "recompute_s": 0.0, "memory_per_device_bytes": est.memory_bytes, "fits": True,
+                "async_tp": False}
+    b = sched["breakdown"]
+    return {"step_s": sched["step_s"], "objective_s": plan.info.get("objective_s", plan.estimate.total_s),
+            "exposed_comm_s": b["exposed_comm_s"], "comm_s": b["comm_s"], "compute_s": b["compute_s"],
+            "recompute_s": b["recompute_s"], "memory_per_device_bytes": sched["memory_per_device_bytes"],
+            "fits": sched["fits"], "async_tp": sched["options"]["async_tp"]}
+
+
+def _save_all(directory: str, plans: dict) -> None:
+    from pathlib import Path
+
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--save-all {directory!r}: cannot create the directory ({e.strerror}).") from None
+    for name, plan in plans.items():
+        plan.save(d / f"{name}.json")
 
 
 @contextmanager
@@ -198,10 +259,16 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
                    f"{plan.info['bound_s'] * 1e3:.2f} ms)")
     if plan.info.get("started_from"):
         status += f", started from {plan.info['started_from']}"
+    chosen = plan.info.get("chosen_from")
+    if chosen not in (None, "ilp"):
+        status += f"; the {chosen} hand plan beats the ILP's solution by the schedule and is the plan"
+    row = out["plans"]["auto"]
     con.print(f"[bold]{traced.model_name}[/] on {mesh} {mesh.hardware}: {status}, "
-              f"step {plan.estimate.total_s * 1e3:.2f} ms (compute {plan.estimate.compute_s * 1e3:.2f} ms, "
-              f"communication {plan.estimate.comm_s * 1e3:.2f} ms), "
-              f"{plan.estimate.memory_bytes / 2**30:.2f} GiB per device")
+              f"step {row['step_s'] * 1e3:.2f} ms (compute {row['compute_s'] * 1e3:.2f} ms, "
+              f"communication {row['comm_s'] * 1e3:.2f} ms of which exposed "
+              f"{row['exposed_comm_s'] * 1e3:.2f} ms; "
+              f"ILP objective {row['objective_s'] * 1e3:.2f} ms), "
+              f"{row['memory_per_device_bytes'] / 2**30:.2f} GiB per device")
     t = Table(title="parameters (first layer and the rest)")
     t.add_column("parameter")
     t.add_column("placement")
@@ -217,15 +284,17 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
     for k, v in out["collectives"].items():
         c.add_row(k, str(v["count"]), f"{v['bytes'] / 2**30:.3f}")
     con.print(c)
-    b = Table(title="baselines (same cost model)")
-    for col in ("plan", "step ms", "auto is faster by"):
+    b = Table(title="plans (step: the schedule, as shardwise estimate prices it; objective: the ILP's)")
+    for col in ("plan", "step ms", "ILP objective ms", "exposed comm ms", "GiB", "auto is faster by"):
         b.add_column(col)
-    b.add_row("auto", f"{plan.estimate.total_s * 1e3:.2f}", "")
-    for k, v in out["baselines"].items():
-        if v is None:
-            b.add_row(k, "n/a", "does not apply or does not fit")
-        else:
-            b.add_row(k, f"{v * 1e3:.2f}", f"{(v - plan.estimate.total_s) / v * 100:.1f}%")
+    auto_s = row["step_s"]
+    for k, r in out["plans"].items():
+        if r is None:
+            b.add_row(k, "n/a", "", "", "", "does not apply or does not fit")
+            continue
+        b.add_row(k, f"{r['step_s'] * 1e3:.2f}", f"{r['objective_s'] * 1e3:.2f}",
+                  f"{r['exposed_comm_s'] * 1e3:.2f}", f"{r['memory_per_device_bytes'] / 2**30:.2f}",
+                  "" if k == "auto" else f"{(r['step_s'] - auto_s) / r['step_s'] * 100:.1f}%")
     con.print(b)
     tm = out["timings"]
     con.print(f"ILP: {out['ilp']['variables']} variables, {out['ilp']['constraints']} constraints, "

@@ -118,17 +118,21 @@ def extrapolate(a: StepEstimate, b: StepEstimate, k: int, layers: int, hw: Hardw
         optimizer_s=lin(a.optimizer_s, b.optimizer_s), layers=layers, extrapolated_from=k, schedule=None)
 
 
-def plan_for(traced: Traced, mesh: Mesh, plan: str, time_limit_s: float = 60.0) -> Plan:
-    """A baseline by name, ``auto``, or a saved plan file checked against this graph."""
+def plan_for(traced: Traced, mesh: Mesh, plan: str, time_limit_s: float = 60.0,
+             opts: dict | None = None) -> Plan:
+    """A baseline by name, ``auto``, or a saved plan file checked against this graph. ``auto``
+    is what ``shardwise plan`` chooses with the step options ``opts``: the fastest by the
+    schedule of the ILP's solution and the hand plans that fit."""
     from shardwise.plan import BASELINES, make_plan
     from shardwise.plan.plan import graph_fingerprint
-    from shardwise.plan.planner import NO_PLAN, no_plan_reason
+    from shardwise.plan.planner import NO_PLAN, no_plan_reason, plan_named
 
-    if plan in BASELINES or plan == "auto":
+    if plan == "auto":
+        return plan_named(traced, mesh, "auto", time_limit_s=time_limit_s, step_options=opts or {})
+    if plan in BASELINES:
         # Baselines are priced as their authors run them, whatever memory they need: ``fits``
         # reports whether that is within the device's memory.
-        p = make_plan(traced, mesh, baseline=None if plan == "auto" else plan,
-                      memory_budget=None if plan == "auto" else math.inf, time_limit_s=time_limit_s)
+        p = make_plan(traced, mesh, baseline=plan, memory_budget=math.inf, time_limit_s=time_limit_s)
         if p is None:
             raise UserError(f"the {plan} plan does not apply to mesh {mesh} (it needs a 'tp' dim, or a "
                             "batch and weights the mesh divides evenly).")
@@ -176,12 +180,17 @@ def estimate_step(model: str, mesh: Mesh, plan: str, opts: dict, *, batch: int |
     for n_layers in depths:
         traced = trace_model(model, train=True, layers=n_layers, batch=batch, seq=seq, dtype=dtype)
         canonicalize(traced)
-        p = plan_for(traced, mesh, plan, time_limit_s)
-        if opts.get("async_tp") and not uses_tp(p, traced):
+        p = plan_for(traced, mesh, plan, time_limit_s, opts)
+        if plan == "auto":
+            # The auto plan was chosen with async TP wherever it applies.
+            applied = step_options_for(p, traced, opts)
+        elif opts.get("async_tp") and not uses_tp(p, traced):
             raise UserError(f"--async-tp needs a plan that shards weights over a 'tp' mesh dim; the "
                             f"{p.name} plan on mesh {mesh} has none.")
         prepared.append((traced, p))
     hw = get_hardware(mesh.hardware)
+    if plan == "auto":
+        opts = applied
     return estimate_prepared(prepared, spec.n_layers, spec.batch * spec.seq, mesh, hw, opts, memory_budget)
 
 
@@ -199,6 +208,32 @@ def estimate_prepared(prepared: list[tuple[Traced, Plan]], layers: int, tokens: 
         return ests[0]
     k = len(regions_layers(prepared[0][0]))
     return extrapolate(ests[0], ests[1], k, layers, hw, tokens, mesh.size, memory_budget)
+
+
+def tokens_per_step(traced: Traced) -> int:
+    """Tokens one step processes over the whole mesh: the elements of the first input (the
+    token ids, ``[batch, seq]``)."""
+    return traced.node(traced.inputs[0]).meta["val"].numel()
+
+
+def step_options_for(plan: Plan, traced: Traced, opts: dict) -> dict:
+    """``opts`` as they apply to ``plan``: ``async_tp`` only where the plan is tensor-parallel
+    (fusing would otherwise pair an FSDP gather over a dim named tp with its matmul)."""
+    return {**opts, "async_tp": bool(opts.get("async_tp")) and uses_tp(plan, traced)}
+
+
+def price_plan(traced: Traced, plan: Plan, mesh: Mesh, opts: dict,
+               memory_budget: float | None = None) -> StepEstimate:
+    """The schedule estimate of one traced, planned step: the code path of ``shardwise
+    estimate`` (``estimate_prepared``), with ``async_tp`` where the plan uses it. Records the
+    figures and the options in ``plan.info["schedule"]`` (saved with the plan)."""
+    applied = step_options_for(plan, traced, opts)
+    est = estimate_prepared([(traced, plan)], len(regions_layers(traced)), tokens_per_step(traced), mesh,
+                            get_hardware(mesh.hardware), applied, memory_budget)
+    so = StepOptions(**applied)
+    plan.info["schedule"] = {**est.to_json(),
+                             "options": {"ac": so.ac.value, "compile": so.compile, "async_tp": so.async_tp}}
+    return est
 
 
 def regions_layers(traced: Traced) -> set[int]:

@@ -103,7 +103,9 @@ def make_plan(
 
     costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
     say(f"solving the placement ILP (limit {time_limit_s:g} s)")
-    start, started_from = _start_point(traced, ns, clus, start_from, budget)
+    points = _points(traced, ns, clus, start_from, budget)
+    start = _Start(points[0][1], points[0][0].estimate.total_s) if points else None
+    started_from = points[0][0].name if points else None
     res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
                 start=start.choice if start is not None else None)
     if start is not None:
@@ -138,6 +140,8 @@ def make_plan(
     plan.info = {
         "objective_s": objective, "bound_s": res.bound_s, "started_from": started_from,
         "start_s": res.start_s, "timings": timings, "memory_budget_bytes": budget,
+        # The hand plans that are points of this ILP (they fit and keep the constraints).
+        "admissible": [p.name for p, _ in points],
         "ilp": {"variables": res.n_vars, "constraints": res.n_rows, "clusters": len(clus.clusters),
                 "representatives": len(clus.representatives), "nodes": len(clus.rep)},
     }
@@ -147,12 +151,18 @@ def make_plan(
 
 
 def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] = BASELINES,
-                        on_phase: Callable[[str], None] | None = None,
+                        on_phase: Callable[[str], None] | None = None, step_options: dict | None = None,
                         **options) -> tuple[Plan, dict[str, Plan | None]]:
     """The hand-written baselines (None where one does not apply), then the auto plan started
     from the cheapest of them that fits: (auto, {name: baseline}). ``options`` go to every
     ``make_plan`` call; the user's constraints bind the auto plan only (a baseline that breaks
-    them is no start point: the ILP rejects it)."""
+    them is no start point: the ILP rejects it).
+
+    A training step's plans are then priced by the step schedule (``cost/step.py``, what
+    ``shardwise estimate`` reports; ``step_options``: its ``ac``, ``compile``, ``async_tp``),
+    and the auto plan is the fastest by it among the ILP's solution and the hand plans that
+    are points of the ILP (they fit and keep the constraints): never slower than a hand plan
+    by the measure the report prints, whatever the ILP's objective leaves out."""
     say = on_phase or (lambda _phase: None)
     constraints = options.pop("constraints", None)
     _fixed_placeholders(traced, None, constraints)  # refuse a bad constraint before the baselines
@@ -162,7 +172,41 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
         plans[name] = make_plan(traced, mesh, baseline=name, **options)
     starts = [b for b in plans.values() if b is not None and b.status not in NO_PLAN]
     auto = make_plan(traced, mesh, constraints=constraints, on_phase=on_phase, start_from=starts, **options)
+    if traced.train and auto.status not in NO_PLAN:
+        say("laying each plan's step out on streams")
+        auto = _fastest_by_schedule(traced, mesh, auto, plans, step_options or {})
     return auto, plans
+
+
+def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str, Plan | None],
+                         step_options: dict) -> Plan:
+    """Price ``auto`` and every hand plan by the step schedule (``plan.info["schedule"]``);
+    the auto plan is the fastest of the ILP's solution and the admissible hand plans. A hand
+    plan that wins is returned as the auto plan, with ``chosen_from`` naming it and
+    ``ilp_solution`` the schedule of the solution it beat."""
+    from shardwise.cost.step import price_plan
+
+    # A hand plan must be faster by more than this relative margin to replace the ILP's plan
+    # (float rounding of the schedule's sums).
+    tie = 1e-9
+    price_plan(traced, auto, mesh, step_options)
+    for b in hand.values():
+        if b is not None and b.status not in NO_PLAN:
+            price_plan(traced, b, mesh, step_options)
+    best = auto
+    for name in auto.info.get("admissible", []):
+        b = hand[name]
+        if b.info["schedule"]["step_s"] < best.info["schedule"]["step_s"] * (1.0 - tie):
+            best = b
+    if best is auto:
+        auto.info["chosen_from"] = "ilp"
+        return auto
+    info = {**auto.info, "schedule": best.info["schedule"], "chosen_from": best.name,
+            "ilp_solution": {"objective_s": auto.info["objective_s"], **auto.info["schedule"]},
+            # The hand plan's price in this ILP (the baselines are priced alike: warm-start test).
+            "objective_s": best.estimate.total_s}
+    return replace(best, name="auto", estimate=replace(best.estimate), info=info,
+                   status=auto.status, mip_gap=auto.mip_gap)
 
 
 def plan_named(traced: Traced, mesh: Mesh, name: str, **options) -> Plan:
@@ -171,6 +215,7 @@ def plan_named(traced: Traced, mesh: Mesh, name: str, **options) -> Plan:
     if name == "auto":
         plan: Plan | None = plan_with_baselines(traced, mesh, **options)[0]
     else:
+        options.pop("step_options", None)  # a hand plan is what it is, however it is priced
         plan = make_plan(traced, mesh, baseline=name, **options)
     if plan is None:
         need = " and a mesh dim named tp" if "tp" in name else ""
@@ -189,19 +234,21 @@ class _Start:
     objective_s: float
 
 
-def _start_point(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
-                 plans: Sequence[Plan], budget: float) -> tuple[_Start | None, str | None]:
-    """The cheapest plan in ``plans`` that fits ``budget`` and runs, at every representative, a
-    strategy this ILP offers (followers: the one their producer implies); and its name. (None,
-    None) when none qualifies."""
+def _points(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
+            plans: Sequence[Plan], budget: float) -> list[tuple[Plan, dict[fx.Node, int]]]:
+    """The plans in ``plans`` that fit ``budget`` and run, at every representative, a strategy
+    this ILP offers (followers: the one their producer implies), cheapest first, each with its
+    choice at every representative. The first is the solver's start."""
+    out = []
     for plan in sorted(plans, key=lambda p: p.estimate.total_s):
         if plan.estimate.memory_bytes > budget or plan.fingerprint != graph_fingerprint(traced.gm):
             continue
         choice = _choices_of(plan, ns, clus)
         if choice is not None:
-            return _Start(choice, plan.estimate.total_s), plan.name
-        log.debug("plan %s is no point of this ILP: not a start", plan.name)
-    return None, None
+            out.append((plan, choice))
+        else:
+            log.debug("plan %s is no point of this ILP: not a start", plan.name)
+    return out
 
 
 def _never_worse(res: IlpResult, start: _Start) -> IlpResult:

@@ -17,7 +17,8 @@ from shardwise.mesh import Mesh
 from shardwise.plan import Plan, make_plan
 
 JSON_KEYS = {"status", "objective_s", "mip_gap", "bound_s", "started_from", "timings", "ilp", "baselines",
-             "params", "outputs", "memory_per_device_bytes", "collectives", "fallback_ops", "estimate"}
+             "params", "outputs", "memory_per_device_bytes", "collectives", "fallback_ops", "estimate",
+             "plans", "step_s", "chosen_from"}
 TINY = ["--model", "llama-tiny", "--layers", "1", "--batch", "8", "--seq", "32"]
 
 
@@ -31,8 +32,9 @@ def test_json_report_with_baselines_and_saved_plan(capsys, tmp_path):
     assert set(out["ilp"]) == {"variables", "constraints", "clusters"} and out["ilp"]["variables"] > 0
     assert set(out["baselines"]) == {"ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp"}
     assert out["baselines"]["fsdp_tp"] is None  # no tp dim on a 1-D mesh
-    for name in ("ddp", "fsdp"):
-        assert out["objective_s"] <= out["baselines"][name] * (1 + 1e-9)
+    for name in ("ddp", "fsdp"):  # by the step schedule, the measure printed
+        assert out["step_s"] <= out["baselines"][name] * (1 + 1e-9)
+        assert out["plans"][name]["step_s"] == out["baselines"][name]
     assert out["params"]["output.weight"] in (["R"], ["S(0)"], ["S(1)"])
     plan = Plan.load(path)
     assert {k: [str(p) for p in v] for k, v in out["params"].items()}.keys() == plan.params.keys()
