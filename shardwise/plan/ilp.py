@@ -46,6 +46,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import highspy
 import numpy as np
@@ -61,6 +62,9 @@ from shardwise.plan.placement import Placements
 from shardwise.plan.plan import tensor_args
 from shardwise.plan.strategies import NodeStrategies, Strategy, intern
 from shardwise.stdio import native_stdout_silenced
+
+if TYPE_CHECKING:
+    from shardwise.plan.objective import ScheduleObjective
 
 log = logging.getLogger(__name__)
 GRAD_SINK = -1  # argument index of a gradient -> parameter-placement edge
@@ -134,6 +138,15 @@ class _Model:
     # variable t's rows (t >= sum of terms).
     ends: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     t_rows: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    # Where cost terms go: the serial sum (None), or a schedule objective's rows
+    # (``plan/objective.py``), which takes each term with what it is (a node's kernel, a move).
+    objective: ScheduleObjective | None = None
+
+    def charge(self, col: int, seconds: float, tag: object) -> None:
+        if self.objective is None:
+            self.cost[col] += seconds
+        else:
+            self.objective.charge(col, seconds, tag)
 
     def var(self, cost: float, ub: float = 1.0, integer: bool = True, lb: float = 0.0) -> int:
         self.cost.append(cost)
@@ -196,14 +209,16 @@ def _strategy_vars(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[lis
 
 def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
           *, memory_budget: float | None = None, memory: MemoryModel | None = None,
-          time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None) -> IlpResult:
+          time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None,
+          schedule: ScheduleObjective | None = None) -> IlpResult:
     """Solve the placement ILP. ``start`` (deciding representative -> strategy index, e.g. a
     hand plan's choices) is handed to HiGHS as its first incumbent: the solver completes the
     continuous edge variables and, if the point is feasible, never returns anything worse, so
-    a time limit costs only optimality."""
+    a time limit costs only optimality. ``schedule``: the schedule objective
+    (``plan/objective.py``) in place of the serial sum."""
     t0 = time.perf_counter()
     memory = memory or MemoryModel()
-    m = _Model()
+    m = _Model(objective=schedule)
     copies = clus.copies()
     reps = [r for r in clus.representatives if r in ns]
     xs: dict[fx.Node, list[list[int]]] = {}
@@ -214,7 +229,9 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
             continue
         n = copies[r]
         if st.follows is None:
-            deciding[r] = [m.var(n * costs.compute_time(r, s)) for s in st.strategies]
+            deciding[r] = [m.var(0.0) for _ in st.strategies]
+            for v, s in zip(deciding[r], st.strategies, strict=True):
+                m.charge(v, n * costs.compute_time(r, s), r)
             m.row(1.0, 1.0, {v: 1.0 for v in deciding[r]})
             xs[r] = [[v] for v in deciding[r]]
         else:
@@ -222,7 +239,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
             for s, vs in zip(st.strategies, xs[r], strict=True):
                 c = n * costs.compute_time(r, s)
                 for v in vs:
-                    m.cost[v] += c
+                    m.charge(v, c, r)
 
     # Edges, keyed on representatives. A value is moved to a placement once however many
     # consumers read it there, so the cost of a move sits on the producer: copies of a producer
@@ -271,13 +288,17 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     for u, keys in out_keys.items():
         groups[(clus.rep[u], frozenset(k for k in keys if k in moves))] += 1
     for (_, keys), n in groups.items():
-        _charge_moves(m, [moves[k] for k in keys], n)
+        for part in [list(keys)] if schedule is None else schedule.split(list(keys)):
+            _charge_moves(m, [moves[k] for k in part], n, part)
 
     min_mem = None
     if memory_budget is not None:
         mem_terms, min_mem = _memory_terms(traced, ns, xs, clus, costs, memory)
         m.row(-math.inf, float(memory_budget) / MEMORY_UNIT_BYTES,
               {v: b / MEMORY_UNIT_BYTES for v, b in mem_terms.items()})
+    if schedule is not None:
+        schedule.charge_optimizer(ns, xs, one)
+        schedule.finish(m, OBJECTIVE_UNIT_S)
 
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -287,22 +308,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     h.setOptionValue("threads", 1)
-    lp = highspy.HighsLp()
     nv, nr = len(m.cost), len(m.row_lb)
-    lp.num_col_ = nv
-    lp.num_row_ = nr
-    lp.col_cost_ = np.array(m.cost, dtype=np.float64) / OBJECTIVE_UNIT_S
-    lp.col_lower_ = np.array(m.lb, dtype=np.float64)
-    lp.col_upper_ = np.array(m.ub, dtype=np.float64)
-    lp.row_lower_ = np.array(m.row_lb, dtype=np.float64)
-    lp.row_upper_ = np.array(m.row_ub, dtype=np.float64)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.array(m.starts + [len(m.index)], dtype=np.int32)
-    lp.a_matrix_.index_ = np.array(m.index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.array(m.value, dtype=np.float64)
-    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                       for i in m.integer]
-    h.passModel(lp)
+    h.passModel(_highs_lp(m))
     start_s = None
     if start is not None:
         val = _start_vector(m, deciding, start, one)
@@ -310,9 +317,11 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         if bad:
             log.warning("the start point breaks %d rows of the placement ILP; solving without it", bad)
         else:
-            start_s = float(np.dot(m.cost, val))
+            start_s = float(np.dot(m.cost, val)) if schedule is None else schedule.value(val)
             h.setSolution(len(val), np.arange(len(val), dtype=np.int32), val)
     h.run()
+    if schedule is not None:  # the blocks whose communication outlasts their compute
+        h = schedule.refine(h, m, _highs_lp, float(time_limit_s) - (time.perf_counter() - t1))
     solve_s = time.perf_counter() - t1
     status = h.getModelStatus()
     info = h.getInfo()
@@ -328,11 +337,32 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     sol = np.asarray(h.getSolution().col_value)
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
     objective = float(info.objective_function_value) * OBJECTIVE_UNIT_S
+    if schedule is not None:  # exact at the point (a time limit may stop refine short)
+        objective = schedule.value(sol)
     bound = min(_bound_s(float(info.mip_dual_bound)), objective)
     # The relative gap from the normalised bound (HiGHS says inf while it has no bound).
     gap = 0.0 if label == "optimal" or objective <= 0.0 else (objective - bound) / objective
     return IlpResult(label, objective, gap, choice, nv, nr, build_s, solve_s, min_mem, bound_s=bound,
                      start_s=start_s)
+
+
+def _highs_lp(m: _Model) -> highspy.HighsLp:
+    """The model as HiGHS takes it (costs in the solver's unit)."""
+    lp = highspy.HighsLp()
+    lp.num_col_ = len(m.cost)
+    lp.num_row_ = len(m.row_lb)
+    lp.col_cost_ = np.array(m.cost, dtype=np.float64) / OBJECTIVE_UNIT_S
+    lp.col_lower_ = np.array(m.lb, dtype=np.float64)
+    lp.col_upper_ = np.array(m.ub, dtype=np.float64)
+    lp.row_lower_ = np.array(m.row_lb, dtype=np.float64)
+    lp.row_upper_ = np.array(m.row_ub, dtype=np.float64)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(m.starts + [len(m.index)], dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(m.index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(m.value, dtype=np.float64)
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                       for i in m.integer]
+    return lp
 
 
 def _bound_s(dual_bound: float) -> float:
@@ -391,12 +421,15 @@ def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Place
     return _Paid(cols[pi, qj].tolist(), [id(dsts[j]) for j in qj.tolist()], times[pi, qj].tolist())
 
 
-def _charge_moves(m: _Model, edges: list[_Paid], copies: int) -> None:
+def _charge_moves(m: _Model, edges: list[_Paid], copies: int, keys: list) -> None:
     """One producer's moves, each placement it is moved to paid once however many of its edges
-    need it there: with one edge the cost sits on e; with several, on t[q] (see module doc)."""
+    (``keys``) need it there: with one edge the cost sits on e; with several, on t[q] (see
+    module doc)."""
+    if not edges:
+        return
     if len(edges) == 1:
         for e, c in zip(edges[0].cols, edges[0].seconds, strict=True):
-            m.cost[e] += copies * c
+            m.charge(e, copies * c, keys)
         return
     by_q: dict[int, dict[int, dict[int, float]]] = defaultdict(dict)  # q -> edge -> {e: seconds}
     for k, paid in enumerate(edges):
@@ -404,11 +437,13 @@ def _charge_moves(m: _Model, edges: list[_Paid], copies: int) -> None:
             by_q[q].setdefault(k, {})[e] = c
     for per_edge in by_q.values():
         if len(per_edge) == 1:  # one edge needs q: it pays
-            for e, c in next(iter(per_edge.values())).items():
-                m.cost[e] += copies * c
+            k, terms = next(iter(per_edge.items()))
+            for e, c in terms.items():
+                m.charge(e, copies * c, [keys[k]])
             continue
         # t counts microseconds, so the rows' coefficients are not down at HiGHS's tolerances.
-        t = m.var(copies * OBJECTIVE_UNIT_S, ub=math.inf, integer=False)
+        t = m.var(0.0, ub=math.inf, integer=False)
+        m.charge(t, copies * OBJECTIVE_UNIT_S, [keys[k] for k in per_edge])
         m.t_rows[t] = []
         for terms in per_edge.values():
             scaled = {e: c / OBJECTIVE_UNIT_S for e, c in terms.items()}

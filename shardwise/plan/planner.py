@@ -67,12 +67,16 @@ def make_plan(
     memory: MemoryModel | None = None,
     on_phase: Callable[[str], None] | None = None,
     start_from: Sequence[Plan] = (),
+    step_options: dict | None = None,
 ) -> Plan | None:
     """Plan ``traced`` over ``mesh``. Returns None when ``baseline`` does not apply to this mesh.
     ``on_phase`` is told what the planner is doing (for progress displays). ``start_from``: plans
     of the same graph and mesh (the hand-written baselines) the solver starts from; the cheapest
     one that is a point of this ILP becomes its first incumbent, so the result is never dearer
-    than it, even when the time limit stops the search (see ``plan_with_baselines``)."""
+    than it, even when the time limit stops the search (see ``plan_with_baselines``).
+    ``step_options`` (a training step's ``ac``, ``compile``, ``async_tp``; ``{}`` for the
+    defaults): the objective is the step schedule, linearised (``plan/objective.py``), instead
+    of the serial sum of every kernel and collective (None)."""
     say = on_phase or (lambda _phase: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -104,10 +108,16 @@ def make_plan(
     costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
     say(f"solving the placement ILP (limit {time_limit_s:g} s)")
     points = _points(traced, ns, clus, start_from, budget)
-    start = _Start(points[0][1], points[0][0].estimate.total_s) if points else None
+    start = _Start(points[0][1], _objective_s(points[0][0])) if points else None
     started_from = points[0][0].name if points else None
+    linearised = None
+    if step_options is not None and traced.train:
+        from shardwise.cost.step import torchtitan_options
+        from shardwise.plan.objective import ScheduleObjective
+
+        linearised = ScheduleObjective(traced, clus, costs, torchtitan_options(traced, **step_options))
     res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
-                start=start.choice if start is not None else None)
+                start=start.choice if start is not None else None, schedule=linearised)
     if start is not None:
         res = _never_worse(res, start)
     timings["ilp_build_s"] = res.build_s
@@ -130,15 +140,17 @@ def make_plan(
     plan.outputs = _output_placements(traced, plan, mesh)
     plan.fallback_ops = sorted({str(n.target) for n, st in ns.items() if st.fallback})
     est = estimate(traced, plan, costs, memory).total_s
+    objective_kind = "serial" if linearised is None else "schedule"
     objective = res.objective_s
-    if res.status != "optimal" and est < objective:
+    if objective_kind == "serial" and res.status != "optimal" and est < objective:
         # An incumbent cut short may carry slack in its continuous move variables (t >= ... is
         # only bounded below); its placements priced exactly are what the plan costs.
         objective = est
         plan.mip_gap = (est - res.bound_s) / est if est > 0.0 else 0.0
     timings["total_s"] = time.perf_counter() - t0
     plan.info = {
-        "objective_s": objective, "bound_s": res.bound_s, "started_from": started_from,
+        "objective_s": objective, "objective": objective_kind, "bound_s": res.bound_s,
+        "started_from": started_from,
         "start_s": res.start_s, "timings": timings, "memory_budget_bytes": budget,
         # The hand plans that are points of this ILP (they fit and keep the constraints).
         "admissible": [p.name for p, _ in points],
@@ -167,6 +179,7 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
     constraints = options.pop("constraints", None)
     _fixed_placeholders(traced, None, constraints)  # refuse a bad constraint before the baselines
     plans: dict[str, Plan | None] = {}
+    options["step_options"] = step_options or {}
     for name in baselines:
         say(f"pricing the {name} baseline")
         plans[name] = make_plan(traced, mesh, baseline=name, **options)
@@ -203,8 +216,8 @@ def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str,
         return auto
     info = {**auto.info, "schedule": best.info["schedule"], "chosen_from": best.name,
             "ilp_solution": {"objective_s": auto.info["objective_s"], **auto.info["schedule"]},
-            # The hand plan's price in this ILP (the baselines are priced alike: warm-start test).
-            "objective_s": best.estimate.total_s}
+            # The hand plan's price by its ILP's objective (the same as the auto ILP's).
+            "objective_s": _objective_s(best)}
     return replace(best, name="auto", estimate=replace(best.estimate), info=info,
                    status=auto.status, mip_gap=auto.mip_gap)
 
@@ -215,7 +228,6 @@ def plan_named(traced: Traced, mesh: Mesh, name: str, **options) -> Plan:
     if name == "auto":
         plan: Plan | None = plan_with_baselines(traced, mesh, **options)[0]
     else:
-        options.pop("step_options", None)  # a hand plan is what it is, however it is priced
         plan = make_plan(traced, mesh, baseline=name, **options)
     if plan is None:
         need = " and a mesh dim named tp" if "tp" in name else ""
@@ -240,7 +252,7 @@ def _points(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
     this ILP offers (followers: the one their producer implies), cheapest first, each with its
     choice at every representative. The first is the solver's start."""
     out = []
-    for plan in sorted(plans, key=lambda p: p.estimate.total_s):
+    for plan in sorted(plans, key=_objective_s):
         if plan.estimate.memory_bytes > budget or plan.fingerprint != graph_fingerprint(traced.gm):
             continue
         choice = _choices_of(plan, ns, clus)
@@ -249,6 +261,11 @@ def _points(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
         else:
             log.debug("plan %s is no point of this ILP: not a start", plan.name)
     return out
+
+
+def _objective_s(plan: Plan) -> float:
+    """A hand plan's price by its ILP's objective (which is this ILP's: the same options)."""
+    return plan.info.get("objective_s", plan.estimate.total_s)
 
 
 def _never_worse(res: IlpResult, start: _Start) -> IlpResult:

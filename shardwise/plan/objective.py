@@ -1,0 +1,274 @@
+r"""The placement ILP's objective as the step schedule prices a plan, linearised.
+
+The serial objective (``ilp.py``) adds every kernel and every collective. The step schedule
+(``cost/schedule.py``, what ``shardwise estimate`` reports) overlaps them: compute runs on one
+stream, FSDP parameter all_gathers are prefetched a block ahead, gradient reductions run under
+the rest of the backward, and only collectives whose consumer waits (activation
+redistributions, tensor-parallel collectives) add to the critical path. This module prices a
+plan the same way, in rows the ILP can solve exactly.
+
+Blocks. The schedule walks blocks in order: the forward of the head (before the first decoder
+layer), of each layer, of the tail, then the backward of the tail, of each layer, of the head.
+Each cost term of the ILP (a strategy's kernel, a producer's move) is assigned to the block of
+its representative node (a move: of its consumer; a gradient reduction: of its gradient). Per
+block ``b`` (a cluster of identical layers is one block whose terms count every copy) one
+continuous variable
+
+    T[b] >= sum compute[b] + sum exposed[b]       (the compute stream and what it waits for)
+    T[b] >= sum hidden[b]                         (the prefetched gathers and the reductions)
+
+and the objective is ``sum_b T[b] + optimizer``: the sum of ``max(compute + exposed, hidden)``
+over the blocks instead of the sum of everything. At integral x each move variable is 1 on the
+move made, so each row is the block's load and T[b] its maximum: exact for the blocks as
+modelled.
+
+What is priced as the schedule prices it:
+
+- compute: each node's roofline on local shapes, a causal attention kernel (forward and
+  backward) at ``CAUSAL_WORK_FRACTION`` of its FLOP count; with activation checkpointing the
+  recomputed forward nodes (``passes/remat.recompute_plan``) once more in their layer's backward;
+- parameter gathers once per phase (FSDP2 reshards after the forward and gathers again in the
+  backward), where the serial sum pays a value's move to a placement once;
+- gradient reductions in fp32 under torchtitan's mixed precision (``reduce_fp32``: the time
+  scaled by the byte ratio);
+- the boundaries, where nothing hides communication: the first block's gathers and the first
+  layer's (prefetched under the head's few kernels), the last layer's reductions and the
+  head's (after the last kernels of the backward), exposed;
+- the optimizer step: ``OPTIMIZER_BYTES_PER_ELEMENT`` per local parameter element through
+  memory, linear in the parameters' placements, plus one launch.
+
+Not modelled (the schedule's estimate of the chosen plan is reported beside the objective, and
+the planner chooses by that estimate among the ILP's solution and the hand plans): the
+dependency stalls inside a block (a gather arriving after its layer's first kernel would start),
+the per-stream split of hidden communication by mesh dim (one stream for all), ``--compile``'s
+fused kernels and ``--async-tp``'s fused collectives (priced eager and exposed), and the
+collectives recomputation repeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+from torch import fx
+
+from shardwise.cost.schedule import (
+    CAUSAL_WORK_FRACTION,
+    FP32_BYTES,
+    OPTIMIZER_BYTES_PER_ELEMENT,
+    StepOptions,
+    is_causal_attention,
+)
+from shardwise.ir.flops import is_view
+from shardwise.ir.trace import Phase, Traced
+from shardwise.passes.remat import ACPolicy, recompute_plan
+from shardwise.plan.cluster import HEAD, TAIL, Clustering, regions
+from shardwise.plan.costs import PlannerCosts, local_bytes
+from shardwise.plan.strategies import NodeStrategies
+from shardwise.stdio import native_stdout_silenced
+
+# The ILP's edge argument indices of the sinks (``ilp.GRAD_SINK``, ``ilp.LOSS_SINK``; not
+# imported: ilp.py imports nothing of this module and this module nothing of it).
+GRAD_SINK = -1
+LOSS_SINK = -2
+
+log = logging.getLogger(__name__)
+# HiGHS's primal_solution_status when it holds a feasible point (kSolutionStatusFeasible).
+SOLUTION_FEASIBLE = 2
+# A block's hidden communication counts as outlasting its critical path beyond this relative
+# margin (float rounding of the sums).
+REFINE_TOL = 1e-9
+# Solves after the first that charge more blocks' hidden communication (each costs a solve).
+REFINE_ROUNDS = 2
+
+Block = tuple[Phase, int]  # (phase, region): a layer index, HEAD or TAIL
+EdgeKey = tuple[fx.Node, fx.Node, int]  # (producer, consumer, argument) on representatives
+
+
+class Load:
+    """What a cost term occupies in its block."""
+
+    COMPUTE = "compute"  # the compute stream
+    EXPOSED = "exposed"  # a collective the compute stream waits for
+    HIDDEN = "hidden"  # a collective under compute (prefetched gathers, gradient reductions)
+
+
+@dataclass
+class ScheduleObjective:
+    """Collects the ILP's cost terms by block and load (``charge``), then writes the rows of the
+    objective above (``finish``). ``options``: how the step runs (``cost/step.torchtitan_options``)."""
+
+    traced: Traced
+    clus: Clustering
+    costs: PlannerCosts
+    options: StepOptions
+    terms: dict[Block, dict[str, dict[int, float]]] = field(default_factory=dict)
+    serial: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    # Blocks whose hidden communication is charged too (``refine``).
+    serial_blocks: set[Block] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        gm = self.traced.gm
+        self.region = regions(self.traced) or {n: HEAD for n in gm.graph.nodes}
+        self.param_nodes = {self.traced.node(ph) for ph in self.traced.params.values()}
+        train = self.traced.train and self.options.ac is not ACPolicy.NONE
+        self.recompute = set(recompute_plan(gm, self.options.ac).recompute) if train else set()
+        self.copies: dict[int, int] = {}
+        for copies in self.clus.clusters:  # a layer region's cluster size (its copies)
+            for c in copies:
+                for n in c:
+                    self.copies[self.region.get(n, HEAD)] = len(copies)
+        layers = sorted({r for r in self.region.values() if HEAD < r < TAIL})
+        self.first_layer = layers[0] if layers else None
+
+    # ---- where a term goes -----------------------------------------------------------------
+    def _block(self, node: fx.Node) -> Block:
+        phase = self.traced.phase(node)
+        return (phase, self.region.get(node, HEAD if phase is Phase.FORWARD else TAIL))
+
+    def _add(self, block: Block, load: str, col: int, seconds: float) -> None:
+        row = self.terms.setdefault(block, {}).setdefault(load, defaultdict(float))
+        row[col] += seconds
+
+    def _is_param(self, u: fx.Node) -> bool:
+        while u.op == "call_function" and is_view(u) and u.all_input_nodes:
+            u = u.all_input_nodes[0]
+        return u in self.param_nodes
+
+    def charge(self, col: int, seconds: float, tag: fx.Node | Sequence[EdgeKey]) -> None:
+        """``seconds`` (every copy's) on column ``col``: a kernel of node ``tag``, or a move of
+        the producer whose edges are ``tag``."""
+        if seconds == 0.0:
+            return
+        if isinstance(tag, fx.Node):
+            if is_causal_attention(tag):
+                seconds *= CAUSAL_WORK_FRACTION
+            block = self._block(tag)
+            self._add(block, Load.COMPUTE, col, seconds)
+            if tag in self.recompute:  # run again at the start of its layer's backward
+                self._add((Phase.BACKWARD, block[1]), Load.COMPUTE, col, seconds)
+            return
+        u, v, j = tag[0]
+        if j == GRAD_SINK:
+            val = u.meta["val"]
+            if self.options.reduce_fp32 and val.element_size() < FP32_BYTES:
+                seconds *= FP32_BYTES / val.element_size()
+            block = self._block(u)
+            self._add(block, Load.HIDDEN, col, seconds)
+            if block[1] in (HEAD, self.first_layer):  # after the backward's last kernels: exposed
+                self._add((Phase.BACKWARD, HEAD), Load.EXPOSED, col, seconds / self.copies.get(block[1], 1))
+        elif j != LOSS_SINK and self._is_param(u):
+            block = self._block(v)
+            self._add(block, Load.HIDDEN, col, seconds)
+            if block[0] is Phase.FORWARD and block[1] in (HEAD, self.first_layer):  # nothing to hide under
+                self._add((Phase.FORWARD, HEAD), Load.EXPOSED, col, seconds / self.copies.get(block[1], 1))
+        else:
+            self._add(self._block(v if j >= 0 else u), Load.EXPOSED, col, seconds)
+
+    def split(self, keys: Sequence[EdgeKey]) -> list[list[EdgeKey]]:
+        """One producer's edges into the groups that each pay a move to a placement once: a
+        parameter's forward and backward readers apart (FSDP2 gathers it again in the backward)."""
+        u = keys[0][0] if keys else None
+        if u is None or not self._is_param(u):
+            return [list(keys)]
+        by_phase: dict[Phase, list[EdgeKey]] = defaultdict(list)
+        for k in keys:
+            by_phase[self.traced.phase(k[1])].append(k)
+        return list(by_phase.values())
+
+    # ---- the optimizer ---------------------------------------------------------------------
+    def charge_optimizer(self, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],
+                         one: int) -> None:
+        """The fused Adam step: its bytes per local parameter element on the x that place each
+        parameter, its launch on the constant column."""
+        if not self.traced.train:
+            return
+        hw = self.costs.hw
+        for ph in self.param_nodes:
+            r = self.clus.rep[ph]
+            st = ns.get(r)
+            if st is None or st.alias_of is not None or r not in xs:
+                continue
+            v = ph.meta["val"]
+            for s, cols in zip(st.strategies, xs[r], strict=True):
+                elems = local_bytes(v, s.output[0], self.costs.mesh_shape) // v.element_size()
+                t = hw.memory_time(elems * OPTIMIZER_BYTES_PER_ELEMENT)
+                for col in cols:
+                    self.serial[col] += t
+        self.serial[one] += hw.launch_s
+
+    # ---- the rows ------------------------------------------------------------------------
+    def finish(self, m, unit_s: float) -> None:
+        """Put the serial terms and every block's compute and exposed terms in the cost of the
+        model ``m`` (``ilp._Model``, seconds per unit of each column): the objective with every
+        block compute-bound, a lower bound of the schedule objective. ``refine`` adds the rows
+        of the blocks the solution shows are not."""
+        self.unit_s = unit_s
+        for col, t in self.serial.items():
+            m.cost[col] += t
+        for loads in self.terms.values():
+            for col, t in self._critical(loads).items():
+                m.cost[col] += t
+
+    @staticmethod
+    def _critical(loads: dict[str, dict[int, float]]) -> dict[int, float]:
+        out: dict[int, float] = defaultdict(float)
+        for load in (Load.COMPUTE, Load.EXPOSED):
+            for col, t in loads.get(load, {}).items():
+                out[col] += t
+        return out
+
+    def _loads(self, val: np.ndarray) -> dict[Block, tuple[float, float]]:
+        """Each block's (compute + exposed, hidden) seconds at the point ``val``."""
+        out = {}
+        for b, loads in self.terms.items():
+            crit = sum(t * val[c] for c, t in self._critical(loads).items())
+            hid = sum(t * val[c] for c, t in loads.get(Load.HIDDEN, {}).items())
+            out[b] = (crit, hid)
+        return out
+
+    def value(self, val: np.ndarray) -> float:
+        """The schedule objective (seconds) at the point ``val`` of the model's columns."""
+        serial = sum(t * val[c] for c, t in self.serial.items())
+        return serial + sum(max(crit, hid) for crit, hid in self._loads(val).values())
+
+    def refine(self, h: highspy.Highs, m, to_highs, time_limit_s: float) -> highspy.Highs:
+        """While the solver's solution has a block whose hidden communication outlasts its
+        compute and exposed communication, charge that block's hidden communication too (its
+        serial sum, an upper bound of its maximum) and solve again from the solution, within
+        ``time_limit_s`` in all, at most ``REFINE_ROUNDS`` times; returns the solver that solved
+        last. (The exact rows, T[b] >= each load, make the MIP several times slower, and
+        HiGHS 1.16's presolve then returns solutions its own bound contradicts.)"""
+        t0 = time.perf_counter()
+        for _ in range(REFINE_ROUNDS):
+            if h.getInfo().primal_solution_status != SOLUTION_FEASIBLE:
+                return h
+            sol = np.asarray(h.getSolution().col_value)
+            new = [b for b, (crit, hid) in self._loads(sol).items()
+                   if b not in self.serial_blocks and hid > crit * (1.0 + REFINE_TOL)]
+            left = time_limit_s - (time.perf_counter() - t0)
+            log.debug("schedule objective: %d blocks outlast their compute after %.2f s", len(new),
+                      time.perf_counter() - t0)
+            if not new or left <= 0.0:
+                return h
+            for b in new:
+                self.serial_blocks.add(b)
+                for col, t in self.terms[b].get(Load.HIDDEN, {}).items():
+                    m.cost[col] += t
+            start = np.where(m.integer, np.round(sol), sol)
+            # A fresh solver: HiGHS 1.16 handed a start after a solve of the model it replaces
+            # reports the old optimum's objective with the start as its solution.
+            options = h.getOptions()
+            with native_stdout_silenced():
+                h = highspy.Highs()
+            h.passOptions(options)
+            h.passModel(to_highs(m))
+            h.setSolution(len(start), np.arange(len(start), dtype=np.int32), start)
+            h.setOptionValue("time_limit", float(left))
+            h.run()
+        return h
