@@ -234,8 +234,8 @@ class ScheduleObjective:
 
     def value(self, val: np.ndarray) -> float:
         """The schedule objective (seconds) at the point ``val`` of the model's columns."""
-        serial = sum(t * val[c] for c, t in self.serial.items())
-        return serial + sum(max(crit, hid) for crit, hid in self._loads(val).values())
+        serial = sum(t * float(val[c]) for c, t in self.serial.items())
+        return float(serial + sum(max(crit, hid) for crit, hid in self._loads(val).values()))
 
     def refine(self, h: highspy.Highs, m, to_highs, time_limit_s: float) -> highspy.Highs:
         """While the solver's solution has a block whose hidden communication outlasts its
