@@ -118,13 +118,19 @@ class ScheduleObjective:
         self.param_nodes = {self.traced.node(ph) for ph in self.traced.params.values()}
         train = self.traced.train and self.options.ac is not ACPolicy.NONE
         self.recompute = set(recompute_plan(gm, self.options.ac).recompute) if train else set()
-        self.copies: dict[int, int] = {}
-        for copies in self.clus.clusters:  # a layer region's cluster size (its copies)
-            for c in copies:
-                for n in c:
-                    self.copies[self.region.get(n, HEAD)] = len(copies)
-        layers = sorted({r for r in self.region.values() if HEAD < r < TAIL})
-        self.first_layer = layers[0] if layers else None
+        # Blocks in the order the schedule runs them (forward: head, layers, tail; backward:
+        # tail, layers from the last, head); a cluster's copies are one block, its first copy's.
+        self.canon: dict[Block, Block] = {}
+        self.members: dict[Block, list[Block]] = {}
+        for copies in self.clus.clusters:
+            blocks = list(dict.fromkeys(self._block(c[0]) for c in copies))
+            for b in blocks:
+                self.canon[b] = blocks[0]
+            self.members[blocks[0]] = blocks
+        order = sorted({self._block(n) for n in gm.graph.nodes if n.op == "call_function"},
+                       key=lambda b: (b[0] is Phase.BACKWARD, b[1] if b[0] is Phase.FORWARD else -b[1]))
+        self.pred = dict(zip(order[1:], order[:-1], strict=True))
+        self.last = order[-1] if order else None
 
     # ---- where a term goes -----------------------------------------------------------------
     def _block(self, node: fx.Node) -> Block:
@@ -132,8 +138,12 @@ class ScheduleObjective:
         return (phase, self.region.get(node, HEAD if phase is Phase.FORWARD else TAIL))
 
     def _add(self, block: Block, load: str, col: int, seconds: float) -> None:
-        row = self.terms.setdefault(block, {}).setdefault(load, defaultdict(float))
+        row = self.terms.setdefault(self.canon.get(block, block), {}).setdefault(load, defaultdict(float))
         row[col] += seconds
+
+    def _copies(self, block: Block) -> list[Block]:
+        """The blocks a (representative's) block stands for."""
+        return self.members.get(self.canon.get(block, block), [block])
 
     def _is_param(self, u: fx.Node) -> bool:
         while u.op == "call_function" and is_view(u) and u.all_input_nodes:
@@ -155,18 +165,26 @@ class ScheduleObjective:
             return
         u, v, j = tag[0]
         if j == GRAD_SINK:
+            # Issued as the gradient is computed, under the rest of the backward; the last
+            # block's, and its predecessor's (the head's few kernels cannot hide them), after the
+            # backward's last kernel.
             val = u.meta["val"]
             if self.options.reduce_fp32 and val.element_size() < FP32_BYTES:
                 seconds *= FP32_BYTES / val.element_size()
             block = self._block(u)
             self._add(block, Load.HIDDEN, col, seconds)
-            if block[1] in (HEAD, self.first_layer):  # after the backward's last kernels: exposed
-                self._add((Phase.BACKWARD, HEAD), Load.EXPOSED, col, seconds / self.copies.get(block[1], 1))
+            copies = self._copies(block)
+            for c in copies:
+                if self.last is not None and c in (self.last, self.pred.get(self.last)):
+                    self._add(self.last, Load.EXPOSED, col, seconds / len(copies))
         elif j != LOSS_SINK and self._is_param(u):
-            block = self._block(v)
-            self._add(block, Load.HIDDEN, col, seconds)
-            if block[0] is Phase.FORWARD and block[1] in (HEAD, self.first_layer):  # nothing to hide under
-                self._add((Phase.FORWARD, HEAD), Load.EXPOSED, col, seconds / self.copies.get(block[1], 1))
+            # Prefetched: gathered while the block before runs (FSDP2's implicit prefetch); the
+            # first block's, before anything runs.
+            copies = self._copies(self._block(v))
+            for c in copies:
+                before = self.pred.get(c)
+                load = Load.HIDDEN if before is not None else Load.EXPOSED
+                self._add(before if before is not None else c, load, col, seconds / len(copies))
         else:
             self._add(self._block(v if j >= 0 else u), Load.EXPOSED, col, seconds)
 
