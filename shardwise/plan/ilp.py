@@ -339,7 +339,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     objective = float(info.objective_function_value) * OBJECTIVE_UNIT_S
     if schedule is not None:  # exact at the point (a time limit may stop refine short)
         objective = schedule.value(sol)
-    bound = min(_bound_s(float(info.mip_dual_bound)), objective)
+    lower = _bound_s(float(info.mip_dual_bound)) if schedule is None else schedule.lower_bound_s
+    bound = min(lower, objective)
     # The relative gap from the normalised bound (HiGHS says inf while it has no bound).
     gap = 0.0 if label == "optimal" or objective <= 0.0 else (objective - bound) / objective
     return IlpResult(label, objective, gap, choice, nv, nr, build_s, solve_s, min_mem, bound_s=bound,

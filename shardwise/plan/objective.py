@@ -5,44 +5,45 @@ The serial objective (``ilp.py``) adds every kernel and every collective. The st
 stream, FSDP parameter all_gathers are prefetched a block ahead, gradient reductions run under
 the rest of the backward, and only collectives whose consumer waits (activation
 redistributions, tensor-parallel collectives) add to the critical path. This module prices a
-plan the same way, in rows the ILP can solve exactly.
+plan the same way, block by block.
 
-Blocks. The schedule walks blocks in order: the forward of the head (before the first decoder
-layer), of each layer, of the tail, then the backward of the tail, of each layer, of the head.
-Each cost term of the ILP (a strategy's kernel, a producer's move) is assigned to the block of
-its representative node (a move: of its consumer; a gradient reduction: of its gradient). Per
-block ``b`` (a cluster of identical layers is one block whose terms count every copy) one
-continuous variable
+Blocks. The schedule runs blocks in order: the forward of the head (before the first decoder
+layer), of each layer, of the tail, then the backward of the tail, of each layer from the last,
+of the head; a cluster of identical layers (``plan/cluster.py``) is one block whose terms count
+every copy. Each cost term of the ILP goes to a block and a load:
 
-    T[b] >= sum compute[b] + sum exposed[b]       (the compute stream and what it waits for)
-    T[b] >= sum hidden[b]                         (the prefetched gathers and the reductions)
-
-and the objective is ``sum_b T[b] + optimizer``: the sum of ``max(compute + exposed, hidden)``
-over the blocks instead of the sum of everything. At integral x each move variable is 1 on the
-move made, so each row is the block's load and T[b] its maximum: exact for the blocks as
-modelled.
-
-What is priced as the schedule prices it:
-
-- compute: each node's roofline on local shapes, a causal attention kernel (forward and
-  backward) at ``CAUSAL_WORK_FRACTION`` of its FLOP count; with activation checkpointing the
-  recomputed forward nodes (``passes/remat.recompute_plan``) once more in their layer's backward;
-- parameter gathers once per phase (FSDP2 reshards after the forward and gathers again in the
-  backward), where the serial sum pays a value's move to a placement once;
-- gradient reductions in fp32 under torchtitan's mixed precision (``reduce_fp32``: the time
-  scaled by the byte ratio);
-- the boundaries, where nothing hides communication: the first block's gathers and the first
-  layer's (prefetched under the head's few kernels), the last layer's reductions and the
-  head's (after the last kernels of the backward), exposed;
+- a kernel of node n: COMPUTE in n's block (a causal attention kernel, forward and backward, at
+  ``CAUSAL_WORK_FRACTION`` of its FLOP count; a node activation checkpointing recomputes, once
+  more in its layer's backward);
+- a parameter's move (FSDP gather): HIDDEN in the block before its readers' (prefetched one
+  block ahead, as FSDP2 does), once per phase (FSDP2 reshards after the forward and gathers
+  again in the backward; the serial sum pays a value's move to a placement once); the first
+  block's, EXPOSED (nothing runs before it);
+- a gradient reduction: HIDDEN in its gradient's block, in fp32 under torchtitan's mixed
+  precision (``reduce_fp32``: the time scaled by the byte ratio);
+- any other move: EXPOSED in its consumer's block (the consumer waits for it);
 - the optimizer step: ``OPTIMIZER_BYTES_PER_ELEMENT`` per local parameter element through
-  memory, linear in the parameters' placements, plus one launch.
+  memory, linear in the parameters' placements, plus one launch: serial, after the backward.
+
+The objective is ``optimizer + sum_b T[b]`` with
+
+    T[b] = max(compute[b] + exposed[b],      the compute stream and what it waits for,
+               hidden[b] + exposed[b])       the communication stream: the exposed
+                                             collectives queue behind the hidden ones.
+
+The solve is lazy: the first model charges every block its first term (compute-bound, a lower
+bound of the objective, as sparse as the serial one); ``refine`` then charges the blocks whose
+stream outlasts their compute in the solution their serial sum (an upper bound of their
+maximum) and solves again from the solution. The exact rows (T[b] >= each load) are several
+times slower to solve, and HiGHS 1.16's presolve returns solutions its own bound contradicts on
+them. The objective reported is the maximum form above at the chosen point (``value``), the
+bound the first solve's.
 
 Not modelled (the schedule's estimate of the chosen plan is reported beside the objective, and
-the planner chooses by that estimate among the ILP's solution and the hand plans): the
-dependency stalls inside a block (a gather arriving after its layer's first kernel would start),
-the per-stream split of hidden communication by mesh dim (one stream for all), ``--compile``'s
-fused kernels and ``--async-tp``'s fused collectives (priced eager and exposed), and the
-collectives recomputation repeats.
+the planner chooses by that estimate among the ILP's solution and the hand plans): dependency
+stalls inside a block, a queue carried from one block to the next, one stream per mesh dim (one
+for all here), ``--compile``'s fused kernels and ``--async-tp``'s fused collectives (priced eager
+and exposed), and the collectives recomputation repeats.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class ScheduleObjective:
     serial: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     # Blocks whose hidden communication is charged too (``refine``).
     serial_blocks: set[Block] = field(default_factory=set)
+    # A lower bound of the objective (seconds): the first solve's (``refine``).
+    lower_bound_s: float = 0.0
 
     def __post_init__(self) -> None:
         gm = self.traced.gm
@@ -246,7 +249,9 @@ class ScheduleObjective:
         out = {}
         for b, loads in self.terms.items():
             crit = sum(t * val[c] for c, t in self._critical(loads).items())
-            hid = sum(t * val[c] for c, t in loads.get(Load.HIDDEN, {}).items())
+            # The communication stream carries the exposed collectives too, behind the others.
+            hid = sum(t * val[c] for load in (Load.HIDDEN, Load.EXPOSED)
+                      for c, t in loads.get(load, {}).items())
             out[b] = (crit, hid)
         return out
 
@@ -263,6 +268,8 @@ class ScheduleObjective:
         last. (The exact rows, T[b] >= each load, make the MIP several times slower, and
         HiGHS 1.16's presolve then returns solutions its own bound contradicts.)"""
         t0 = time.perf_counter()
+        # The first solve's model is a relaxation of the schedule objective: its bound is one.
+        self.lower_bound_s = max(0.0, h.getInfo().mip_dual_bound * self.unit_s)
         for _ in range(REFINE_ROUNDS):
             if h.getInfo().primal_solution_status != SOLUTION_FEASIBLE:
                 return h
