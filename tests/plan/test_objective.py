@@ -20,10 +20,8 @@ NO_TIME_S = 1e-9
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    tr = trace_model("llama-tiny", layers=2, batch=8, seq=32)
-    canonicalize(tr)
-    return tr
+def tiny(tiny_two_layers):
+    return tiny_two_layers
 
 
 def _objective(tr) -> ScheduleObjective:

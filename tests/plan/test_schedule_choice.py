@@ -9,9 +9,7 @@ from dataclasses import replace
 import pytest
 
 from shardwise.cost.step import price_plan
-from shardwise.ir.trace import trace_model
 from shardwise.mesh import Mesh
-from shardwise.passes.pipeline import canonicalize
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan import BASELINES, make_plan
 from shardwise.plan.planner import NO_PLAN, _fastest_by_schedule, plan_with_baselines
@@ -20,10 +18,8 @@ MESH = Mesh((2, 2), ("dp", "tp"), "h100")
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    tr = trace_model("llama-tiny", layers=2, batch=8, seq=32)
-    canonicalize(tr)
-    return tr
+def tiny(tiny_two_layers):
+    return tiny_two_layers
 
 
 @pytest.fixture(scope="module")
