@@ -339,6 +339,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     objective = float(info.objective_function_value) * OBJECTIVE_UNIT_S
     if schedule is not None:  # exact at the point (a time limit may stop refine short)
         objective = schedule.value(sol)
+        if objective - schedule.lower_bound_s > MIP_REL_GAP * objective:
+            label = "feasible"  # optimal for the refinement's charges, not proven for the maximum
     lower = _bound_s(float(info.mip_dual_bound)) if schedule is None else schedule.lower_bound_s
     bound = min(lower, objective)
     # The relative gap from the normalised bound (HiGHS says inf while it has no bound).

@@ -41,7 +41,7 @@ def test_family_plans_without_fallback_and_beats_or_ties_every_hand_plan(config)
               if p is not None and p.status not in NO_PLAN]
     assert priced, "no hand plan applies"
     assert auto.info["schedule"]["step_s"] <= min(priced) * (1 + TIE)
-    assert auto.info["objective_s"] == pytest.approx(auto.estimate.total_s, rel=1e-6)
+    assert auto.info["objective"] == "schedule" and auto.info["objective_s"] >= auto.info["bound_s"]
 
 
 def test_gpt2_layers_cluster_forward_and_backward_with_representatives_first():

@@ -54,13 +54,15 @@ def test_the_cheapest_hand_plan_is_the_start(tiny, hand):
     assert auto.estimate.total_s == pytest.approx(best.estimate.total_s, rel=1e-9)
 
 
-def test_with_time_the_solver_improves_on_the_start_and_proves_it(tiny):
+def test_with_time_the_solver_improves_on_the_start_and_bounds_it(tiny):
     auto, hand = plan_with_baselines(tiny, MESH)
-    assert auto.status == "optimal" and auto.info["started_from"] is not None
+    assert auto.status in ("optimal", "feasible") and auto.info["started_from"] is not None
     assert auto.info["objective"] == "schedule"  # plan/objective.py
     best = min(p.info["objective_s"] for p in hand.values() if p is not None)
     assert auto.info["objective_s"] < best
-    assert auto.info["bound_s"] == pytest.approx(auto.info["objective_s"], rel=1e-6)
+    # the bound is the relaxed first solve's (plan/objective.py): within 1% of the objective here
+    assert auto.info["bound_s"] <= auto.info["objective_s"] <= auto.info["bound_s"] * 1.01
+    assert auto.mip_gap == pytest.approx(1 - auto.info["bound_s"] / auto.info["objective_s"], abs=1e-9)
     step = min(p.info["schedule"]["step_s"] for p in hand.values() if p is not None)
     assert auto.info["schedule"]["step_s"] <= step * (1 + 1e-9)
 
