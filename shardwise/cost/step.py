@@ -132,8 +132,10 @@ def plan_for(traced: Traced, mesh: Mesh, plan: str, time_limit_s: float = 60.0,
     if plan in BASELINES:
         # Baselines are priced as their authors run them, whatever memory they need: ``fits``
         # reports whether that is within the device's memory.
-        p = make_plan(traced, mesh, baseline=plan, memory_budget=math.inf, time_limit_s=time_limit_s,
-                      step_options=opts or {})
+        # (Their free choices by the serial objective, as benchmarks/fidelity.py was fitted:
+        # ``shardwise plan`` prices its own hand plans, chosen by the schedule objective within
+        # the budget; a plan file it saves is what to pass here to see the same step.)
+        p = make_plan(traced, mesh, baseline=plan, memory_budget=math.inf, time_limit_s=time_limit_s)
         if p is None:
             raise UserError(f"the {plan} plan does not apply to mesh {mesh} (it needs a 'tp' dim, or a "
                             "batch and weights the mesh divides evenly).")
