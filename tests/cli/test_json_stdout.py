@@ -31,7 +31,8 @@ def one_json_object(proc: subprocess.CompletedProcess) -> dict:
 def test_plan_json_is_one_object_without_the_solver_banner():
     proc = shardwise("plan", *TINY, "--mesh", "2x2", "--mesh-names", "dp,tp", "--json")
     out = one_json_object(proc)
-    assert out["status"] == "optimal" and "ddp" in out["baselines"]
+    # (feasible: the schedule objective's relaxed bound may not prove the optimum, plan/objective.py)
+    assert out["status"] in ("optimal", "feasible") and "ddp" in out["baselines"]
     assert "HiGHS" not in proc.stdout
 
 

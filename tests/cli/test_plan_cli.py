@@ -20,6 +20,8 @@ JSON_KEYS = {"status", "objective_s", "mip_gap", "bound_s", "started_from", "tim
              "params", "outputs", "memory_per_device_bytes", "collectives", "fallback_ops", "estimate",
              "plans", "step_s", "chosen_from"}
 TINY = ["--model", "llama-tiny", "--layers", "1", "--batch", "8", "--seq", "32"]
+# The gap the schedule objective's refinement may leave on a tiny model (plan/objective.py).
+MIP_GAP_AFTER_REFINE = 0.01
 
 
 def test_json_report_with_baselines_and_saved_plan(capsys, tmp_path):
@@ -27,7 +29,8 @@ def test_json_report_with_baselines_and_saved_plan(capsys, tmp_path):
     assert main(["plan", *TINY, "--mesh", "2", "--json", "--save", str(path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == JSON_KEYS
-    assert out["status"] == "optimal"
+    assert out["status"] in ("optimal", "feasible")  # the schedule objective's bound: plan/objective.py
+    assert out["bound_s"] <= out["objective_s"] and out["mip_gap"] <= MIP_GAP_AFTER_REFINE
     assert set(out["timings"]) == {"trace_s", "strategies_s", "ilp_build_s", "solve_s", "total_s"}
     assert set(out["ilp"]) == {"variables", "constraints", "clusters"} and out["ilp"]["variables"] > 0
     assert set(out["baselines"]) == {"ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp"}
@@ -48,7 +51,7 @@ def test_progress_on_a_terminal_but_never_with_json(capsys, monkeypatch, as_json
     steps = ("tracing llama-tiny", "enumerating strategies", "solving the placement ILP",
              "pricing the fsdp baseline")
     if as_json:
-        assert cap.err == "" and json.loads(cap.out)["status"] == "optimal"
+        assert cap.err == "" and json.loads(cap.out)["status"] in ("optimal", "feasible")
     else:
         assert all(step in cap.err for step in steps) and "ILP:" in cap.out
 
