@@ -20,6 +20,8 @@ PASSES: dict[str, str] = {
     "collective_matmul": "shardwise.passes.collective_matmul",
     "bucket": "shardwise.passes.bucket",
     "remat": "shardwise.passes.remat",
+    "simplify": "shardwise.passes.simplify",
+    "sink_waits": "shardwise.passes.sink_waits",
 }
 
 
