@@ -45,7 +45,7 @@ from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.lower.spmd import Layout, SPMDProgram, lower_on
 from shardwise.mesh import Mesh, destroy_world
-from shardwise.passes import remat, simplify, sink_waits
+from shardwise.passes import RUNTIME_PASSES, remat, run_passes
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan.plan import Plan
 from shardwise.runtime.launch import real_constants, retarget_device
@@ -302,8 +302,7 @@ class ParallelModule(nn.Module):
         for name, value in real_constants(gm, module).items():
             setattr(gm, name, value)
         retarget_device(gm, device)
-        simplify.apply(gm)
-        sink_waits.apply(gm)
+        run_passes(gm, list(RUNTIME_PASSES))
         lays = program.param_layouts()
         names = list(traced.params)
         for k in names:

@@ -1,6 +1,7 @@
-"""The simplify and sink_waits passes: a per-rank program with its layout bookkeeping folded and
-its waits sunk computes the same values (single process, and on gloo ranks against the
-unrewritten program), and what they must leave alone."""
+"""The runtime passes (early_loss_weight, simplify, sink_waits): a per-rank program with its
+layout bookkeeping folded, its loss's token count reduced at the start and its waits sunk
+computes the same values (single process, and on gloo ranks against the unrewritten program),
+and what they must leave alone."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.ir.match import RESHAPE_OPS, is_wait
-from shardwise.passes import simplify, sink_waits
+from shardwise.passes import early_loss_weight, simplify, sink_waits
 from tests.helpers import SLOW_MACHINE_TIMEOUT_S
 from tests.passes.test_bucket import _programs
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 
 
 def _count(gm, *targets) -> int:
@@ -90,8 +92,14 @@ def test_a_training_step_simplified_and_sunk_computes_the_same_on_gloo():
     gm = rewritten.gm
     bucket.apply(gm)
     n_nodes = len(gm.graph.nodes)
+    assert early_loss_weight.apply(gm) == 1
     assert simplify.apply(gm) > 0 and sink_waits.apply(gm) > 0
     assert len(gm.graph.nodes) < 0.8 * n_nodes
+    # The token count's all_reduce is launched before any matmul of the forward.
+    first_mm = next(n for n in gm.graph.nodes if n.target is aten.mm.default)
+    count_reduce = next(n for n in gm.graph.nodes if n.target is c10d.all_reduce.default)
+    assert count_reduce.args[0].target is aten._to_copy.default
+    assert list(gm.graph.nodes).index(count_reduce) < list(gm.graph.nodes).index(first_mm)
     # The backward's seed reads the local loss, not the all_reduced one: nothing waits for the
     # loss before the gradients are computed, and every wait sits just before its first reader.
     seed = next(n for n in gm.graph.nodes if n.target is aten.ones_like.default)
@@ -114,3 +122,20 @@ def test_fsdp_tp_sp_with_passes_stays_equal_after_sinking_on_a_2x2_mesh():
     assert simplify.apply(rewritten.gm) > 0 and sink_waits.apply(rewritten.gm) > 0
     results = run_many([plain, rewritten], check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
     assert results[1].max_rel_err <= 1e-5
+
+
+@pytest.mark.parametrize("change", ["class weights", "sum reduction"])
+def test_the_token_count_stays_put_unless_it_is_a_plain_mean(change):
+    """With class weights the total weight is no token count; with a sum there is none to take."""
+    from shardwise.mesh import Mesh
+
+    _, prog = _programs("ddp", Mesh((2,), ("dp",)))
+    assert len(early_loss_weight.find(prog.gm)) == 1
+    loss = next(n for n in prog.gm.graph.nodes if n.target is aten.nll_loss_forward.default)
+    args = list(loss.args)
+    if change == "class weights":
+        args[2] = args[0]  # any node: the rule only asks whether weights are given
+    else:
+        args[3] = 2
+    loss.args = tuple(args)
+    assert early_loss_weight.find(prog.gm) == [] and early_loss_weight.apply(prog.gm) == 0
