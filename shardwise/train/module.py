@@ -202,7 +202,9 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runner: _Program, inputs: tuple[torch.Tensor, ...], *params: DTensor) -> torch.Tensor:
-        outs = runner.program.gm(*[p.to_local() for p in params], *inputs)
+        # The local shards themselves: to_local()'s autograd node is of no use inside a Function
+        # (autograd sees only this Function) and costs a Python call per parameter each step.
+        outs = runner.program.gm(*[p._local_tensor for p in params], *inputs)
         loss = outs[0]
         ctx.grads = [None if spec is None else (g, spec)
                      for g, spec in zip(outs[1:], runner.grad_specs(outs[1:]), strict=True)]
