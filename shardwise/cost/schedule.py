@@ -131,6 +131,62 @@ class Event:
         return self.end - self.start
 
 
+class MemoryCategory:
+    """What a live buffer is, for the peak's breakdown."""
+
+    STATIC = "static"                     # parameters and optimizer state, all step long
+    GRADS = "grads"                       # stored (reduced) gradients, until the optimizer step
+    GATHERED_PARAMS = "gathered_params"   # parameters moved to the placement a reader needs
+    SAVED = "saved_activations"           # forward values the backward reads
+    TRANSIENT = "transients"              # everything else: values between producer and reader
+    ALL = (GRADS, GATHERED_PARAMS, SAVED, TRANSIENT)
+
+
+# How many of the largest live buffers the breakdown lists.
+BREAKDOWN_LARGEST = 8
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """One buffer of the step: allocated before item ``born`` runs, freed after item ``last``."""
+
+    name: str
+    category: str
+    size: int
+    born: int
+    last: int
+    stream: str = "compute"
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """The allocated peak and what is alive there: the node running at the peak (its phase and
+    region) and the bytes per category; ``largest``: (name, category, bytes) of the biggest."""
+
+    at: str
+    phase: str
+    region: int
+    static_bytes: int
+    grads_bytes: int
+    gathered_params_bytes: int
+    saved_activations_bytes: int
+    transients_bytes: int
+    largest: list[tuple[str, str, int]] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.static_bytes + self.grads_bytes + self.gathered_params_bytes
+                + self.saved_activations_bytes + self.transients_bytes)
+
+    def to_json(self) -> dict:
+        return {"at": self.at, "phase": self.phase, "region": self.region,
+                "static_bytes": self.static_bytes, "grads_bytes": self.grads_bytes,
+                "gathered_params_bytes": self.gathered_params_bytes,
+                "saved_activations_bytes": self.saved_activations_bytes,
+                "transients_bytes": self.transients_bytes, "total_bytes": self.total_bytes,
+                "largest": [{"name": n, "category": c, "bytes": b} for n, c, b in self.largest]}
+
+
 @dataclass
 class StepSchedule:
     events: list[Event]
@@ -142,6 +198,8 @@ class StepSchedule:
     exposed_comm_s: float
     static_bytes: int
     peak_bytes: int
+    memory: MemoryBreakdown | None = None
+    lifetimes: list[Lifetime] = field(default_factory=list, repr=False)
     recomputed: list[str] = field(default_factory=list)
 
     @property
@@ -193,8 +251,10 @@ def is_causal_attention(node: fx.Node) -> bool:
 
 
 def _base(node: fx.Node) -> fx.Node:
-    """The value a view chain aliases."""
-    while node.op == "call_function" and is_view(node) and node.all_input_nodes:
+    """The allocation a value lives in: the base of a view chain, the tuple result an element
+    (``getitem``) belongs to (attention's output and logsumexp live as long as either is read)."""
+    while (node.op == "call_function" and node.all_input_nodes
+           and (is_view(node) or node.target is operator.getitem)):
         node = node.all_input_nodes[0]
     return node
 
@@ -218,8 +278,16 @@ class _Scheduler:
         self.param_nodes = {traced.node(ph) for ph in traced.params.values()}
         self.grad_of = {traced.node(g): traced.node(traced.params[p]) for p, g in traced.grads.items()}
         self.tp = self.names.index(TP) if TP in self.names else None
+        layers = [r for r in self.region.values() if 0 <= r < TAIL]
+        self.last_layer = max(layers) if layers else None
         remat = recompute_plan(traced.gm, opts.ac) if traced.train else None
         self.recompute: set[fx.Node] = set(remat.recompute) if remat else set()
+        # Eager per-op SAC caches every output its policy saves, needed by the backward or not,
+        # until the block's recomputation pops it (torch.utils.checkpoint's selective
+        # checkpoint context stores MUST_SAVE outputs in the forward). Compiled blocks save what
+        # the partitioner's backward reads, nothing more.
+        self.sac_cached: set[fx.Node] = (set(remat.kept) if remat and opts.ac is ACPolicy.SELECTIVE
+                                         and not opts.compile else set())
         self.fused_free: set[fx.Node] = set()
         self.on_chip: set[fx.Node] = set()
         self.segment_time: dict[fx.Node, float] = {}
@@ -234,6 +302,12 @@ class _Scheduler:
         self.issue_index: dict[tuple, int] = {}  # moved key -> item index it was issued at
         self.last_read: dict[tuple, int] = {}    # instance or moved key -> last item reading it
         self.born: dict[tuple, int] = {}
+        self.move_stream: dict[tuple, str] = {}  # moved key -> stream of its (first) collective
+        self.grad_stream: dict[tuple, str] = {}  # ("grad", param) -> stream it is reduced on
+        self.handed_off: set[fx.Node] = set()     # gradients that are their stored gradient
+        self.reduced: list[tuple[fx.Node, fx.Node, int, str]] = []  # (grad, param, region, stream)
+        self.extra: list[Lifetime] = []            # buffers no graph value stands for
+        self.kept_gathered: dict[tuple, int] = {}  # gathered once for forward and backward -> group
 
     # ---- pricing -------------------------------------------------------------------------
     def _spec(self, node: fx.Node):
@@ -247,6 +321,10 @@ class _Scheduler:
         order = {n: i for i, n in enumerate(self.traced.gm.graph.nodes)}
         for s in seg.segments:
             if s.cls not in (SegClass.POINTWISE, SegClass.REDUCTION):
+                continue
+            # torchtitan compiles each TransformerBlock (``apply_compile``: torch.compile per
+            # block, fullgraph): the embedding, final norm, output and loss run eagerly.
+            if not all(0 <= self.region.get(n, HEAD) < TAIL for n in s.nodes):
                 continue
             nbytes = sum(self._value_bytes(v) for v in (*s.inputs, *s.outputs))
             # A segment spanning both phases is two kernels (forward and backward graphs).
@@ -322,11 +400,25 @@ class _Scheduler:
     def _move_key(self, u: fx.Node, dst: Placements, reader: _Item) -> tuple:
         if self._is_param(u):
             # FSDP2 reshards after forward: the backward gathers the parameter again. Views of
-            # one parameter (its transposes) share one gather: the same bytes arrive.
+            # one parameter (its transposes) share one gather: the same bytes arrive. Not so
+            # for the root module's parameters (FSDP2's lazy init sets the root's
+            # post_forward_mesh_info to None: "the parameters would be freed and all-gathered
+            # immediately") nor for the last block (torchtitan passes reshard_after_forward=False
+            # for it, "since FSDP would prefetch it immediately"): their forward gather stays.
             base = _base(u)
-            return (base, False, dst if u is base else self._param_view_dst(u, dst), reader.phase)
+            kept = self._kept_gathered(reader.region)
+            key = (base, False, dst if u is base else self._param_view_dst(u, dst),
+                   Phase.FORWARD if kept else reader.phase)
+            if kept:
+                self.kept_gathered[key] = self._group(reader.region)
+            return key
         inst = self._instance(u, reader)
         return (u, inst[1], dst, None)
+
+    def _kept_gathered(self, region: int) -> bool:
+        """The block of ``region`` keeps its gathered parameters from forward to backward: the
+        root (everything outside the decoder layers) and the last layer."""
+        return not 0 <= region < TAIL or region == self.last_layer
 
     def _param_view_dst(self, u: fx.Node, dst: Placements) -> Placements:
         """The placement of the parameter itself that a view of it read in ``dst`` amounts to:
@@ -381,8 +473,10 @@ class _Scheduler:
         return total
 
     def _arrival(self, u: fx.Node, dst: Placements, item: _Item, i: int, t_c: float, gate: float = 0.0,
-                 matmul_reader: bool = False) -> float:
-        """When value ``u`` is available in ``dst`` to ``item``; schedules its move if needed."""
+                 matmul_reader: bool = False, issued_at: int | None = None) -> float:
+        """When value ``u`` is available in ``dst`` to ``item`` (item index ``i``); schedules its
+        move if needed, issued at item ``issued_at`` (default ``i``; earlier when prefetched:
+        its buffer is allocated when the collective is issued)."""
         spec_u = self._spec(u)
         key = self._move_key(u, dst, item)
         inst = (_base(u), key[1])
@@ -415,8 +509,10 @@ class _Scheduler:
         else:
             arrive = self._run_steps(u.name, steps, produced, item)
         self.moved[key] = arrive
+        if stream is not None:
+            self.move_stream[key] = stream
         self.issue_index[key] = i
-        self.born[key] = i
+        self.born[key] = i if issued_at is None else min(i, issued_at)
         self.last_read[key] = i
         self.last_read[inst] = max(self.last_read.get(inst, i), i)
         return arrive
@@ -425,6 +521,8 @@ class _Scheduler:
     def run(self) -> StepSchedule:
         items = self.items()
         self.n_items = len(items)
+        self.first_backward = next((i for i, it in enumerate(items) if it.phase is Phase.BACKWARD),
+                                   len(items))
         blocks: list[tuple[Phase, int]] = []
         for it in items:
             b = (it.phase, it.region)
@@ -452,7 +550,7 @@ class _Scheduler:
                 started.add(b)
                 for blk in (b, next_block.get(b)):
                     for u, dst, reader, k in param_reads.get(blk, []) if blk else []:
-                        self._arrival(u, dst, reader, k, t_c, gate=t_c)
+                        self._arrival(u, dst, reader, k, t_c, gate=t_c, issued_at=i)
             n = it.node
             spec = self._spec(n)
             dur = self._node_time(n, it.recompute)
@@ -489,13 +587,19 @@ class _Scheduler:
         step = max([opt_start + opt_s] + [e.end for e in self.events])
         comm = [(e.start, e.end) for e in self.events if e.kind == EventKind.COLLECTIVE]
         compute = [(e.start, e.end) for e in self.events if e.stream == COMPUTE_STREAM]
+        if self.traced.train:
+            self._fsdp_reduction_buffers(items)
+            self._extend_sac_cache(items)
         static = self._static_bytes()
-        peak = static + self._peak_live(len(items))
+        lifetimes = self._lifetimes()
+        live_peak, at = self._peak_live(lifetimes)
+        peak = static + live_peak
         return StepSchedule(
             events=sorted(self.events, key=lambda e: (e.stream, e.start)), step_s=step,
             compute_s=compute_s, recompute_s=recompute_s, optimizer_s=opt_s,
             comm_s=sum(e - s for s, e in comm), exposed_comm_s=exposed_time(comm, compute),
             static_bytes=static, peak_bytes=peak,
+            memory=self._breakdown(items, lifetimes, at, static), lifetimes=lifetimes,
             recomputed=[n.name for n in self.traced.gm.graph.nodes if n in self.recompute])
 
     def _reduce_gradient(self, g: fx.Node, it: _Item, i: int, ready: float) -> None:
@@ -506,11 +610,66 @@ class _Scheduler:
         self.born[("grad", param)] = i
         self.last_read[("grad", param)] = self.n_items
         if src == dst:
+            self.handed_off.add(_base(g))
             return
         itemsize = g.meta["val"].element_size()
         scale = FP32_BYTES / itemsize if self.opts.reduce_fp32 else 1.0
-        self._run_steps(g.name, self._collective_steps(g, src, dst, scale), ready, it)
+        steps = self._collective_steps(g, src, dst, scale)
+        self._run_steps(g.name, steps, ready, it)
         self.last_read[(g, False)] = i
+        stream = stream_name(self.names, steps[0][1]) if steps else COMPUTE_STREAM
+        self.reduced.append((g, param, it.region, stream))
+
+    def _fsdp_reduction_buffers(self, items: list[_Item]) -> None:
+        """FSDP2's gradient reduction as it allocates (``foreach_reduce``): a group's unsharded
+        gradients live until its block's backward ends (its post-backward hook reduces the whole
+        group: the decoder layer, or the root for everything outside the layers); then the
+        reduce-scatter input, the group's unsharded gradients copied in ``reduce_dtype`` (fp32),
+        is allocated on the reduce-scatter stream and kept until the next group's reduction
+        (FSDP2 holds it in ``comm_ctx.reduce_scatter_state`` until then); the reduced shard, the
+        stored gradient, is allocated on that stream too."""
+        block_end: dict[int, int] = {}
+        for i, it in enumerate(items):
+            if it.phase is Phase.BACKWARD:
+                block_end[self._group(it.region)] = i
+        groups: dict[int, list[tuple[fx.Node, fx.Node, str]]] = defaultdict(list)
+        for g, param, region, stream in self.reduced:
+            groups[self._group(region)].append((g, param, stream))
+        for key, group in self.kept_gathered.items():
+            # resharded only by the group's post-backward (the root's: at the very end)
+            if key in self.born:
+                self.last_read[key] = max(self.last_read.get(key, 0), block_end.get(group, self.n_items - 1))
+        order = sorted(groups, key=lambda r: block_end.get(r, self.n_items))
+        for k, r in enumerate(order):
+            end = block_end.get(r, self.n_items - 1)
+            nxt = block_end.get(order[k + 1], self.n_items) if k + 1 < len(order) else self.n_items
+            staged = 0
+            for g, param, stream in groups[r]:
+                inst = (_base(g), False)
+                self.last_read[inst] = max(self.last_read.get(inst, end), end)
+                self.grad_stream[("grad", param)] = stream
+                v = g.meta["val"]
+                unsharded = local_bytes(v, self._spec(g).output[0], self.mesh_shape) // v.element_size()
+                staged += unsharded * (FP32_BYTES if self.opts.reduce_fp32 else v.element_size())
+            self.extra.append(Lifetime(f"reduce_scatter_input:{'root' if r == HEAD else r}",
+                                       MemoryCategory.GRADS, staged, end, nxt, groups[r][0][2]))
+
+    def _group(self, region: int) -> int:
+        """The FSDP2 parameter group of a region: its decoder layer, or HEAD for the root."""
+        return region if 0 <= region < TAIL else HEAD
+
+    def _extend_sac_cache(self, items: list[_Item]) -> None:
+        """Eager SAC's cached outputs live until their block's recomputation starts."""
+        first_recompute: dict[int, int] = {}
+        for i, it in enumerate(items):
+            if it.recompute:
+                first_recompute.setdefault(it.region, i)
+        for n in self.sac_cached:
+            inst = (_base(n), False)
+            r = self.region.get(n, HEAD)
+            # Only the decoder layers are checkpointed (torchtitan wraps each block).
+            if inst in self.born and 0 <= r < TAIL and r in first_recompute:
+                self.last_read[inst] = max(self.last_read.get(inst, self.born[inst]), first_recompute[r])
 
     # ---- memory --------------------------------------------------------------------------
     def _param_elements(self) -> int:
@@ -534,22 +693,73 @@ class _Scheduler:
     def _optimizer_time(self) -> float:
         return self.hw.memory_time(self._param_elements() * OPTIMIZER_BYTES_PER_ELEMENT) + self.hw.launch_s
 
-    def _peak_live(self, n_items: int) -> int:
-        delta = [0] * (n_items + 2)
+    def _lifetimes(self) -> list[Lifetime]:
+        """Every buffer the step allocates besides the static state: its size and the items
+        (graph positions) from its allocation to its last reader."""
+        out = []
         for key, born in self.born.items():
             size = self._key_bytes(key)
             if size == 0:
                 continue
             last = self.last_read.get(key, born)
-            if len(key) == 2 and isinstance(key[0], fx.Node) and key[0] in self.grad_of:
-                last = born  # the gradient leaves as its reduced shard (static memory)
-            delta[born] += size
-            delta[last + 1] -= size
-        live = peak = 0
-        for d in delta:
+            if len(key) == 2 and key[0] in self.handed_off:
+                last = born  # not reduced: the value is the stored gradient (counted as such)
+            out.append(Lifetime(self._key_name(key), self._category(key, born, last), size, born, last,
+                                self._key_stream(key)))
+        return out + [lt for lt in self.extra if lt.size > 0]
+
+    def _peak_live(self, lifetimes: list[Lifetime]) -> tuple[int, int]:
+        """The most bytes alive at once, and the item where that happens."""
+        delta = [0] * (self.n_items + 2)
+        for lt in lifetimes:
+            delta[lt.born] += lt.size
+            delta[lt.last + 1] -= lt.size
+        live = peak = at = 0
+        for i, d in enumerate(delta):
             live += d
-            peak = max(peak, live)
-        return peak
+            if live > peak:
+                peak, at = live, i
+        return peak, at
+
+    def _category(self, key: tuple, born: int, last: int) -> str:
+        if key[0] == "grad":
+            return MemoryCategory.GRADS
+        if len(key) == 4 and self._is_param(key[0]):
+            return MemoryCategory.GATHERED_PARAMS
+        # Saved for the backward: made before the backward starts, read after it has.
+        if born < self.first_backward <= last:
+            return MemoryCategory.SAVED
+        return MemoryCategory.TRANSIENT
+
+    def _key_name(self, key: tuple) -> str:
+        if key[0] == "grad":
+            return f"grad:{key[1].name}"
+        if len(key) == 2:
+            return f"{key[0].name}{' (recomputed)' if key[1] else ''}"
+        return f"{key[0].name} -> {placements_str(key[2])}{f' ({key[3].value})' if key[3] else ''}"
+
+    def _key_stream(self, key: tuple) -> str:
+        """The stream whose pool a buffer is allocated from: a collective's output on its
+        stream (FSDP2 all_gathers into buffers of its all-gather stream), the rest on compute."""
+        if len(key) == 4:
+            return self.move_stream.get(key, COMPUTE_STREAM)
+        if key[0] == "grad":
+            return self.grad_stream.get(key, COMPUTE_STREAM)
+        return COMPUTE_STREAM
+
+    def _breakdown(self, items: list[_Item], lifetimes: list[Lifetime], at: int,
+                   static: int) -> MemoryBreakdown:
+        live = [lt for lt in lifetimes if lt.born <= at <= lt.last]
+        by_cat = {c: sum(lt.size for lt in live if lt.category == c) for c in MemoryCategory.ALL}
+        it = items[min(at, len(items) - 1)]
+        top = sorted(live, key=lambda lt: -lt.size)[:BREAKDOWN_LARGEST]
+        return MemoryBreakdown(
+            at=it.node.name, phase=it.phase.value, region=it.region, static_bytes=static,
+            grads_bytes=by_cat[MemoryCategory.GRADS],
+            gathered_params_bytes=by_cat[MemoryCategory.GATHERED_PARAMS],
+            saved_activations_bytes=by_cat[MemoryCategory.SAVED],
+            transients_bytes=by_cat[MemoryCategory.TRANSIENT],
+            largest=[(lt.name, lt.category, lt.size) for lt in top])
 
     def _key_bytes(self, key: tuple) -> int:
         if key[0] == "grad":  # a parameter's stored gradient
