@@ -114,6 +114,15 @@ class StepOptions:
     grad_bytes: int | None = None
     optimizer_state_bytes: int = 8
     reduce_fp32: bool = False
+    expandable_segments: bool = False
+
+
+# How many training steps the allocator replay runs: the first allocates the optimizer state
+# lazily (``torch.optim`` makes Adam's moments at its first step) into memory the step cached,
+# the next ones reach the steady state torchtitan reads its figures in (step 90).
+ALLOCATOR_STEPS = 3
+# Adam(W) keeps two moments per parameter, each its own tensor (exp_avg, exp_avg_sq).
+ADAM_STATES = 2
 
 
 @dataclass(frozen=True)
@@ -198,6 +207,7 @@ class StepSchedule:
     exposed_comm_s: float
     static_bytes: int
     peak_bytes: int
+    reserved_peak_bytes: int = 0
     memory: MemoryBreakdown | None = None
     lifetimes: list[Lifetime] = field(default_factory=list, repr=False)
     recomputed: list[str] = field(default_factory=list)
@@ -594,11 +604,12 @@ class _Scheduler:
         lifetimes = self._lifetimes()
         live_peak, at = self._peak_live(lifetimes)
         peak = static + live_peak
+        reserved = self._reserved_peak(lifetimes)
         return StepSchedule(
             events=sorted(self.events, key=lambda e: (e.stream, e.start)), step_s=step,
             compute_s=compute_s, recompute_s=recompute_s, optimizer_s=opt_s,
             comm_s=sum(e - s for s, e in comm), exposed_comm_s=exposed_time(comm, compute),
-            static_bytes=static, peak_bytes=peak,
+            static_bytes=static, peak_bytes=peak, reserved_peak_bytes=reserved,
             memory=self._breakdown(items, lifetimes, at, static), lifetimes=lifetimes,
             recomputed=[n.name for n in self.traced.gm.graph.nodes if n in self.recompute])
 
@@ -690,6 +701,51 @@ class _Scheduler:
             total += elems * per
         return int(total)
 
+    def _state_buffers(self) -> tuple[list[int], list[int]]:
+        """The tensors of the static state: each parameter's stored shard, and (training) Adam's
+        two moments of it, one tensor each."""
+        params, states = [], []
+        for ph in self.param_nodes:
+            v = ph.meta["val"]
+            elems = local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
+            params.append(elems * (self.opts.param_bytes or v.element_size()))
+            if self.traced.train and self.opts.optimizer_state_bytes:
+                states += [elems * self.opts.optimizer_state_bytes // ADAM_STATES] * ADAM_STATES
+        return params, states
+
+    def _optimizer_temporaries(self) -> list[Lifetime]:
+        """torchtitan's AdamW runs ``foreach`` (``foreach = not fused``, fused off by default):
+        ``_foreach_sqrt(exp_avg_sqs)`` makes one temporary per parameter, the size of its
+        shard, for the length of the step (the other updates are in place)."""
+        if not self.traced.train:
+            return []
+        params, _ = self._state_buffers()
+        return [Lifetime("optimizer.step:sqrt", MemoryCategory.TRANSIENT, b, self.n_items, self.n_items)
+                for b in params]
+
+    def _reserved_peak(self, lifetimes: list[Lifetime]) -> int:
+        """The caching allocator's peak reserved bytes (``cost/allocator.py``) over
+        ``ALLOCATOR_STEPS`` steps: the parameters allocated first, Adam's moments at the first
+        optimizer step, then every buffer of each step in schedule order."""
+        from shardwise.cost.allocator import CachingAllocator, Request, replay
+
+        params, states = self._state_buffers()
+        period = self.n_items + 2
+        forever = period * ALLOCATOR_STEPS
+        ordered = sorted(lifetimes, key=lambda lt: lt.born)
+        reqs = [Request(b, -1, forever) for b in params]
+        for step in range(ALLOCATOR_STEPS):
+            base = step * period
+            step_reqs = [Request(lt.size, lt.born + base, lt.last + base, lt.stream) for lt in ordered]
+            if step == 0:
+                # Adam's moments: zeros_like at the first optimizer step, before its temporaries
+                k = sum(1 for lt in ordered if lt.born < self.n_items)
+                step_reqs[k:k] = [Request(b, self.n_items + base, forever) for b in states]
+            reqs += step_reqs
+        alloc = CachingAllocator(expandable_segments=self.opts.expandable_segments,
+                                 capacity=int(self.hw.mem_capacity))
+        return replay(reqs, alloc).peak_reserved
+
     def _optimizer_time(self) -> float:
         return self.hw.memory_time(self._param_elements() * OPTIMIZER_BYTES_PER_ELEMENT) + self.hw.launch_s
 
@@ -706,7 +762,7 @@ class _Scheduler:
                 last = born  # not reduced: the value is the stored gradient (counted as such)
             out.append(Lifetime(self._key_name(key), self._category(key, born, last), size, born, last,
                                 self._key_stream(key)))
-        return out + [lt for lt in self.extra if lt.size > 0]
+        return out + [lt for lt in self.extra + self._optimizer_temporaries() if lt.size > 0]
 
     def _peak_live(self, lifetimes: list[Lifetime]) -> tuple[int, int]:
         """The most bytes alive at once, and the item where that happens."""
