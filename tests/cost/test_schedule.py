@@ -162,5 +162,8 @@ def test_extrapolating_identical_layers_matches_tracing_them():
     direct = estimate_prepared([prep[2]], depth, tokens, mesh, get_hardware(HW), opts)
     extra = estimate_prepared(prep[:2], depth, tokens, mesh, get_hardware(HW), opts)
     assert extra.extrapolated_from == k and direct.extrapolated_from is None
-    for field in ("step_s", "memory_per_device_bytes", "recompute_s", "compute_s", "exposed_comm_s"):
+    for field in ("step_s", "memory_allocated_peak_bytes", "recompute_s", "compute_s", "exposed_comm_s"):
         assert getattr(extra, field) == pytest.approx(getattr(direct, field), rel=0.005), field
+    # the allocator's reserved bytes are not exactly linear in the layers (where a block is
+    # carved from depends on what was cached before it): close, not exact
+    assert extra.memory_per_device_bytes == pytest.approx(direct.memory_per_device_bytes, rel=0.05)
