@@ -105,6 +105,7 @@ class AllocatorStats:
     peak_allocated: int = 0
     peak_reserved: int = 0
     segments: int = 0
+    reserved_by_stream: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -198,16 +199,17 @@ class CachingAllocator:
             return remaining >= K_MIN_BLOCK_SIZE
         return remaining > K_SMALL_SIZE
 
-    def _reserve(self, nbytes: int) -> None:
+    def _reserve(self, nbytes: int, stream: str) -> None:
         if self.capacity is not None and self.stats.reserved + nbytes > self.capacity:
             self._release_cached()
         self.stats.reserved += nbytes
+        self.stats.reserved_by_stream[stream] = self.stats.reserved_by_stream.get(stream, 0) + nbytes
         self.stats.peak_reserved = max(self.stats.peak_reserved, self.stats.reserved)
 
     def _new_segment(self, size: int, stream: str, small: bool) -> _Block:
         """``alloc_block``: a new segment of ``get_allocation_size``, one free block."""
         seg_size = allocation_size(size)
-        self._reserve(seg_size)
+        self._reserve(seg_size, stream)
         seg = _Segment(stream, small, seg_size, index=self._next_index())
         seg.first = _Block(seg, 0, seg_size)
         self._segments.append(seg)
@@ -230,7 +232,7 @@ class CachingAllocator:
         need = size - (tail.size if tail is not None else 0)
         page = EXPANDABLE_SMALL_PAGE if small else EXPANDABLE_LARGE_PAGE
         mapped = math.ceil(need / page) * page
-        self._reserve(mapped)
+        self._reserve(mapped, stream)
         if tail is not None:
             self._remove_free(tail)
             tail.size += mapped
@@ -258,6 +260,7 @@ class CachingAllocator:
             for b in seg.blocks():
                 self._remove_free(b)
             self.stats.reserved -= seg.size
+            self.stats.reserved_by_stream[seg.stream] -= seg.size
             self.stats.segments -= 1
         self._segments = keep
 

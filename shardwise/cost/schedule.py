@@ -121,6 +121,11 @@ class StepOptions:
 # lazily (``torch.optim`` makes Adam's moments at its first step) into memory the step cached,
 # the next ones reach the steady state torchtitan reads its figures in (step 90).
 ALLOCATOR_STEPS = 3
+# FSDP2 allocates on its own streams (``FSDPCommContext``): all_gather outputs on the all-gather
+# copy-in stream, reduce-scatter inputs and outputs on the reduce-scatter stream; the caching
+# allocator keeps a pool per stream, named here after the mesh dim's stream.
+ALL_GATHER_POOL = "all_gather"
+REDUCE_SCATTER_POOL = "reduce_scatter"
 # Adam(W) keeps two moments per parameter, each its own tensor (exp_avg, exp_avg_sq).
 ADAM_STATES = 2
 
@@ -208,6 +213,7 @@ class StepSchedule:
     static_bytes: int
     peak_bytes: int
     reserved_peak_bytes: int = 0
+    reserved_by_stream: dict[str, int] = field(default_factory=dict)  # at the end of the replay
     memory: MemoryBreakdown | None = None
     lifetimes: list[Lifetime] = field(default_factory=list, repr=False)
     recomputed: list[str] = field(default_factory=list)
@@ -312,6 +318,7 @@ class _Scheduler:
         self.issue_index: dict[tuple, int] = {}  # moved key -> item index it was issued at
         self.last_read: dict[tuple, int] = {}    # instance or moved key -> last item reading it
         self.born: dict[tuple, int] = {}
+        self.first_read: dict[tuple, int] = {}   # moved key -> first item reading it
         self.move_stream: dict[tuple, str] = {}  # moved key -> stream of its (first) collective
         self.grad_stream: dict[tuple, str] = {}  # ("grad", param) -> stream it is reduced on
         self.handed_off: set[fx.Node] = set()     # gradients that are their stored gradient
@@ -496,6 +503,7 @@ class _Scheduler:
             return self.ready.get(inst, 0.0)
         if key in self.moved:
             self.last_read[key] = i
+            self.first_read[key] = min(self.first_read.get(key, i), i)
             return self.moved[key]
         steps = self._collective_steps(u, src, dst)
         produced = max(self.ready.get(inst, 0.0), gate)
@@ -519,6 +527,7 @@ class _Scheduler:
         else:
             arrive = self._run_steps(u.name, steps, produced, item)
         self.moved[key] = arrive
+        self.first_read[key] = i
         if stream is not None:
             self.move_stream[key] = stream
         self.issue_index[key] = i
@@ -604,12 +613,12 @@ class _Scheduler:
         lifetimes = self._lifetimes()
         live_peak, at = self._peak_live(lifetimes)
         peak = static + live_peak
-        reserved = self._reserved_peak(lifetimes)
+        reserved, by_stream = self._reserved_peak(lifetimes)
         return StepSchedule(
             events=sorted(self.events, key=lambda e: (e.stream, e.start)), step_s=step,
             compute_s=compute_s, recompute_s=recompute_s, optimizer_s=opt_s,
             comm_s=sum(e - s for s, e in comm), exposed_comm_s=exposed_time(comm, compute),
-            static_bytes=static, peak_bytes=peak, reserved_peak_bytes=reserved,
+            static_bytes=static, peak_bytes=peak, reserved_peak_bytes=reserved, reserved_by_stream=by_stream,
             memory=self._breakdown(items, lifetimes, at, static), lifetimes=lifetimes,
             recomputed=[n.name for n in self.traced.gm.graph.nodes if n in self.recompute])
 
@@ -654,16 +663,22 @@ class _Scheduler:
         for k, r in enumerate(order):
             end = block_end.get(r, self.n_items - 1)
             nxt = block_end.get(order[k + 1], self.n_items) if k + 1 < len(order) else self.n_items
-            staged = 0
-            for g, param, stream in groups[r]:
+            staged = sharded = 0
+            for g, param, _stream in groups[r]:
                 inst = (_base(g), False)
                 self.last_read[inst] = max(self.last_read.get(inst, end), end)
-                self.grad_stream[("grad", param)] = stream
                 v = g.meta["val"]
                 unsharded = local_bytes(v, self._spec(g).output[0], self.mesh_shape) // v.element_size()
                 staged += unsharded * (FP32_BYTES if self.opts.reduce_fp32 else v.element_size())
-            self.extra.append(Lifetime(f"reduce_scatter_input:{'root' if r == HEAD else r}",
-                                       MemoryCategory.GRADS, staged, end, nxt, groups[r][0][2]))
+                # the group's stored gradients are views of one reduce-scatter output
+                sharded += self._key_bytes(("grad", param))
+                del self.born[("grad", param)]
+            name = "root" if r == HEAD else r
+            pool = f"{groups[r][0][2]}:{REDUCE_SCATTER_POOL}"
+            self.extra.append(Lifetime(f"reduce_scatter_input:{name}", MemoryCategory.GRADS, staged, end, nxt,
+                                       pool))
+            self.extra.append(Lifetime(f"grads:{name}", MemoryCategory.GRADS, sharded, end, self.n_items,
+                                       pool))
 
     def _group(self, region: int) -> int:
         """The FSDP2 parameter group of a region: its decoder layer, or HEAD for the root."""
@@ -723,7 +738,7 @@ class _Scheduler:
         return [Lifetime("optimizer.step:sqrt", MemoryCategory.TRANSIENT, b, self.n_items, self.n_items)
                 for b in params]
 
-    def _reserved_peak(self, lifetimes: list[Lifetime]) -> int:
+    def _reserved_peak(self, lifetimes: list[Lifetime]) -> tuple[int, dict[str, int]]:
         """The caching allocator's peak reserved bytes (``cost/allocator.py``) over
         ``ALLOCATOR_STEPS`` steps: the parameters allocated first, Adam's moments at the first
         optimizer step, then every buffer of each step in schedule order."""
@@ -744,7 +759,8 @@ class _Scheduler:
             reqs += step_reqs
         alloc = CachingAllocator(expandable_segments=self.opts.expandable_segments,
                                  capacity=int(self.hw.mem_capacity))
-        return replay(reqs, alloc).peak_reserved
+        stats = replay(reqs, alloc)
+        return stats.peak_reserved, dict(stats.reserved_by_stream)
 
     def _optimizer_time(self) -> float:
         return self.hw.memory_time(self._param_elements() * OPTIMIZER_BYTES_PER_ELEMENT) + self.hw.launch_s
@@ -753,16 +769,38 @@ class _Scheduler:
         """Every buffer the step allocates besides the static state: its size and the items
         (graph positions) from its allocation to its last reader."""
         out = []
+        gathers: dict[tuple[int, str], list[tuple[tuple, int]]] = defaultdict(list)
         for key, born in self.born.items():
             size = self._key_bytes(key)
             if size == 0:
+                continue
+            if len(key) == 4 and self._is_param(key[0]) and key in self.move_stream:
+                gathers[(born, self.move_stream[key])].append((key, size))
                 continue
             last = self.last_read.get(key, born)
             if len(key) == 2 and key[0] in self.handed_off:
                 last = born  # not reduced: the value is the stored gradient (counted as such)
             out.append(Lifetime(self._key_name(key), self._category(key, born, last), size, born, last,
                                 self._key_stream(key)))
+        out += self._fsdp_gather_buffers(gathers)
         return out + [lt for lt in self.extra + self._optimizer_temporaries() if lt.size > 0]
+
+    def _fsdp_gather_buffers(self, gathers: dict[tuple[int, str], list[tuple[tuple, int]]]) -> list[Lifetime]:
+        """FSDP2's parameter all_gather as it allocates: the parameters a block gathers at once
+        go into one flat ``all_gather_output`` on the all-gather stream, from the issue to the
+        copy-out when the block starts (``foreach_all_gather_copy_out`` in its pre-forward or
+        pre-backward hook), which allocates each unsharded parameter on the compute stream,
+        alive until the block reshards (its last reader)."""
+        out = []
+        for (born, stream), keys in gathers.items():
+            copy_out = max(born, min(self.first_read.get(k, born) for k, _ in keys))
+            out.append(Lifetime(f"all_gather_output@{born}", MemoryCategory.GATHERED_PARAMS,
+                                sum(size for _, size in keys), born, copy_out, f"{stream}:{ALL_GATHER_POOL}"))
+            for k, size in keys:
+                last = max(self.last_read.get(k, copy_out), copy_out)
+                out.append(Lifetime(self._key_name(k), MemoryCategory.GATHERED_PARAMS, size, copy_out, last,
+                                    COMPUTE_STREAM))
+        return out
 
     def _peak_live(self, lifetimes: list[Lifetime]) -> tuple[int, int]:
         """The most bytes alive at once, and the item where that happens."""
