@@ -355,10 +355,26 @@ class _Scheduler:
     def _compiled_recompute(self) -> None:
         """Inductor's min-cut partitioner recomputes memory-bound forward values in the backward
         kernels that read them instead of saving them: inside the layers, a fused forward value
-        the backward reads is recomputed (at no kernel of its own)."""
+        the backward reads is recomputed (at no kernel of its own). Not a block's output: it is
+        the next compiled block's input, which that block's graph saves."""
         fwd_fused = [n for n in self.traced.gm.graph.nodes if n in self.fused_free
-                     and self.traced.phase(n) is Phase.FORWARD and 0 <= self.region.get(n, HEAD) < TAIL]
+                     and self.traced.phase(n) is Phase.FORWARD and 0 <= self.region.get(n, HEAD) < TAIL
+                     and not self._leaves_block(n)]
         self.recompute.update(fwd_fused)
+
+    def _leaves_block(self, node: fx.Node) -> bool:
+        """A forward value another block's forward reads (directly or through views)."""
+        r = self.region.get(node, HEAD)
+        stack = list(node.users)
+        while stack:
+            u = stack.pop()
+            if self.traced.phase(u) is not Phase.FORWARD:
+                continue
+            if is_view(u) or u.target is operator.getitem:
+                stack.extend(u.users)
+            elif self.region.get(u, HEAD) != r:
+                return True
+        return False
 
     def _value_bytes(self, node: fx.Node) -> int:
         spec = self._spec(node)
