@@ -36,11 +36,30 @@ kernels (Inductor's partitioner recomputes pointwise ops rather than saving them
 kernel of its own, and memory-bound forward values are not kept for the backward.
 
 Memory: static (parameters and optimizer state, ``param_bytes`` + ``optimizer_state_bytes`` per
-local element) plus every value alive at each point of the schedule: a value lives from its
-producer to its last reader (views alias their base), so the peak holds the saved activations
-of the layers whose backward has not run, the gathered parameters in flight and the largest
-transients; a parameter's stored gradient (``grad_bytes`` per local element) lives from its
-reduction to the optimizer step (``zero_grad(set_to_none=True)`` frees it every step).
+local element) plus every buffer alive at each point of the schedule, each a ``Lifetime`` (its
+size, stream, and the items from its allocation to its last reader):
+
+- a value lives from its producer to its last reader; views alias their base and a tuple's
+  elements their tuple (flash attention's output and logsumexp);
+- eager selective AC caches every output its policy saves until the block's recomputation
+  (``torch.utils.checkpoint``'s selective context stores them in the forward, needed or not);
+  compiled blocks save what their backward reads;
+- FSDP2's gathers: the block's flat ``all_gather_output`` on the all-gather stream from the
+  issue (a layer ahead) to the copy-out at the block's start, the unsharded parameters on the
+  compute stream until the block reshards (its last reader); the root (everything outside the
+  layers) and the last layer are not resharded after forward (FSDP2's root rule, torchtitan's
+  ``reshard_after_forward`` for the last block), their forward gather lives to their backward;
+- gradients: a group's unsharded gradients live until its block's backward ends; FSDP2's
+  reduce-scatter input (the group's gradients in ``reduce_dtype``) and output (the stored fp32
+  shards, freed by ``zero_grad(set_to_none=True)`` after the optimizer) on the reduce-scatter
+  stream, the input held until the next group's reduction;
+- the optimizer: foreach AdamW's ``_foreach_sqrt`` temporaries, one per parameter shard.
+
+``peak_bytes`` is the most allocated at once, ``memory`` its breakdown (static, gradients,
+gathered parameters, saved activations, transients, the largest buffers) and where it occurs.
+``reserved_peak_bytes`` is what the CUDA caching allocator holds at its peak: the buffers of
+three steps replayed through ``cost/allocator.py`` (per-stream pools, rounding, splitting,
+expandable segments if ``expandable_segments``), the figure OOM is checked against.
 
 The optimizer step runs last on the compute stream, after the last gradient collective: a
 fused Adam reads and writes ``OPTIMIZER_BYTES_PER_ELEMENT`` per local parameter element.
