@@ -212,7 +212,9 @@ class MemoryBreakdown:
                 + self.saved_activations_bytes + self.transients_bytes)
 
     def to_json(self) -> dict:
-        return {"at": self.at, "phase": self.phase, "region": self.region,
+        region = ("head" if self.region == HEAD else "tail" if self.region == TAIL
+                  else f"layer {self.region}")
+        return {"at": self.at, "phase": self.phase, "region": region,
                 "static_bytes": self.static_bytes, "grads_bytes": self.grads_bytes,
                 "gathered_params_bytes": self.gathered_params_bytes,
                 "saved_activations_bytes": self.saved_activations_bytes,
