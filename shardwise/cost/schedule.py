@@ -312,7 +312,8 @@ class _Scheduler:
         self.names = tuple(plan.mesh_names)
         self.costs = PlannerCosts(self.mesh_shape, self.hw)
         self.region = regions(traced) or {n: HEAD for n in traced.gm.graph.nodes}
-        self.param_nodes = {traced.node(ph) for ph in traced.params.values()}
+        # a dict, not a set: graph order, so the allocator replay allocates them in a fixed order
+        self.param_nodes = dict.fromkeys(traced.node(ph) for ph in traced.params.values())
         self.grad_of = {traced.node(g): traced.node(traced.params[p]) for p, g in traced.grads.items()}
         self.tp = self.names.index(TP) if TP in self.names else None
         layers = [r for r in self.region.values() if 0 <= r < TAIL]
@@ -674,8 +675,13 @@ class _Scheduler:
         steps = self._collective_steps(g, src, dst, scale)
         self._run_steps(g.name, steps, ready, it)
         self.last_read[(g, False)] = i
-        stream = stream_name(self.names, steps[0][1]) if steps else COMPUTE_STREAM
-        self.reduced.append((g, param, it.region, stream))
+        scatter = [dim for kind, dim, _ in steps if kind is CollectiveKind.REDUCE_SCATTER]
+        if not scatter:
+            # an all_reduce (replicated parameters) reduces the gradient in place: it is the
+            # stored gradient
+            self.handed_off.add(_base(g))
+            return
+        self.reduced.append((g, param, it.region, stream_name(self.names, scatter[0])))
 
     def _fsdp_reduction_buffers(self, items: list[_Item]) -> None:
         """FSDP2's gradient reduction as it allocates (``foreach_reduce``): a group's unsharded
