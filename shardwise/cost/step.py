@@ -122,7 +122,14 @@ def extrapolate(a: StepEstimate, b: StepEstimate, k: int, layers: int, hw: Hardw
         return x + n * (y - x)
 
     step = lin(a.step_s, b.step_s)
-    mem = int(lin(a.memory_per_device_bytes, b.memory_per_device_bytes))
+    allocated = int(lin(a.memory_allocated_peak_bytes, b.memory_allocated_peak_bytes))
+    # Reserved bytes extrapolate linearly too (within 0.1% of the 32 traced layers for 8B
+    # eager, 3% compiled), but the allocator holds at least the allocated peak plus the cache
+    # it holds beside it at both traced depths: a floor where the shallow traces' reserve is
+    # not yet steady.
+    cached = min(a.memory_reserved_peak_bytes - a.memory_allocated_peak_bytes,
+                 b.memory_reserved_peak_bytes - b.memory_allocated_peak_bytes)
+    mem = max(int(lin(a.memory_per_device_bytes, b.memory_per_device_bytes)), allocated + max(cached, 0))
     breakdown = None
     if a.memory_breakdown is not None and b.memory_breakdown is not None:
         # the peak's parts grow with the layers like the peak (same place in the step)
@@ -138,7 +145,7 @@ def extrapolate(a: StepEstimate, b: StepEstimate, k: int, layers: int, hw: Hardw
         compute_s=lin(a.compute_s, b.compute_s), recompute_s=lin(a.recompute_s, b.recompute_s),
         comm_s=lin(a.comm_s, b.comm_s), exposed_comm_s=lin(a.exposed_comm_s, b.exposed_comm_s),
         optimizer_s=lin(a.optimizer_s, b.optimizer_s), layers=layers, extrapolated_from=k, schedule=None,
-        memory_allocated_peak_bytes=int(lin(a.memory_allocated_peak_bytes, b.memory_allocated_peak_bytes)),
+        memory_allocated_peak_bytes=allocated,
         memory_reserved_peak_bytes=mem, memory_breakdown=breakdown)
 
 
