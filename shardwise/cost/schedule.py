@@ -342,7 +342,6 @@ class _Scheduler:
         self.born: dict[tuple, int] = {}
         self.first_read: dict[tuple, int] = {}   # moved key -> first item reading it
         self.move_stream: dict[tuple, str] = {}  # moved key -> stream of its (first) collective
-        self.grad_stream: dict[tuple, str] = {}  # ("grad", param) -> stream it is reduced on
         self.handed_off: set[fx.Node] = set()     # gradients that are their stored gradient
         self.reduced: list[tuple[fx.Node, fx.Node, int, str]] = []  # (grad, param, region, stream)
         self.extra: list[Lifetime] = []            # buffers no graph value stands for
@@ -876,12 +875,10 @@ class _Scheduler:
         return f"{key[0].name} -> {placements_str(key[2])}{f' ({key[3].value})' if key[3] else ''}"
 
     def _key_stream(self, key: tuple) -> str:
-        """The stream whose pool a buffer is allocated from: a collective's output on its
-        stream (FSDP2 all_gathers into buffers of its all-gather stream), the rest on compute."""
-        if len(key) == 4:
-            return self.move_stream.get(key, COMPUTE_STREAM)
-        if key[0] == "grad":
-            return self.grad_stream.get(key, COMPUTE_STREAM)
+        """The stream whose pool a buffer is allocated from. Functional collectives (DTensor's
+        redistributions: tensor-parallel activations) allocate their output on the caller's
+        stream, the compute one; FSDP2's own buffers are placed by ``_fsdp_gather_buffers`` and
+        ``_fsdp_reduction_buffers``; everything else is computed on the compute stream."""
         return COMPUTE_STREAM
 
     def _breakdown(self, items: list[_Item], lifetimes: list[Lifetime], at: int,

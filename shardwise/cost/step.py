@@ -72,6 +72,9 @@ class StepEstimate:
             "memory_allocated_peak_bytes": self.memory_allocated_peak_bytes,
             "memory_reserved_peak_bytes": self.memory_reserved_peak_bytes,
             "memory_breakdown": self.memory_breakdown.to_json() if self.memory_breakdown else None,
+            # what each stream's pool holds at the end of the replay (not when extrapolated)
+            "memory_reserved_by_stream_bytes": (dict(self.schedule.reserved_by_stream) if self.schedule
+                                                else None),
             "breakdown": {"compute_s": self.compute_s, "recompute_s": self.recompute_s,
                           "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s,
                           "hidden_comm_s": self.comm_s - self.exposed_comm_s,
