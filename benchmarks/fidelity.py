@@ -70,9 +70,12 @@ run on 128 GPUs (torchtitan's docs, same hardware): 67.0 GiB eager, 62.0 compile
 Known gap: the ``fsdp`` plan makes the embedding's gradient already sharded (it gathers the
 activation gradient instead) where FSDP2 reduce-scatters it, so the root's reduce-scatter
 input is 2.2 GiB instead of 3.9, at the end of the backward (not at the allocated peak; in the
-reduce-scatter pool's reserve). The 128-GPU memory rows come out 4-5% high, the 8-GPU ones
-0-1.5%: the difference between them, the sharded state (16 B per parameter / N ranks) and the
-reduce-scatter pool, is 12.0 GiB estimated and 15.4 (eager), 15.0 (compiled) measured.
+reduce-scatter pool's reserve). The 128-GPU memory rows come out 5.5-7% high, the 8-GPU ones
+0.3-1.3%: the difference between them, the sharded state (16 B per parameter / N ranks) and the
+reduce-scatter pool, is 11.9 GiB estimated and 15.4 (eager), 15.0 (compiled) measured. The
+replay's steady state: the first step alone reserves 75.6 GiB (8B, 8 GPUs, eager), since
+Adam's moments, made at its end, take cached blocks the next step's activations then need;
+the second and later steps reserve 83.4.
 
 Other published measurements, not fitted on (torchtitan docs/performance.md, 64 A100 80GB,
 Llama 3 8B local batch 1 selective AC, 70B local batch 1 full AC, FSDP, eager: 2,904 and 331
