@@ -697,10 +697,7 @@ class _Scheduler:
         groups: dict[int, list[tuple[fx.Node, fx.Node, str]]] = defaultdict(list)
         for g, param, region, stream in self.reduced:
             groups[self._group(region)].append((g, param, stream))
-        for key, group in self.kept_gathered.items():
-            # resharded only by the group's post-backward (the root's: at the very end)
-            if key in self.born:
-                self.last_read[key] = max(self.last_read.get(key, 0), block_end.get(group, self.n_items - 1))
+        self._keep_gathered_to_post_backward(block_end)
         order = sorted(groups, key=lambda r: block_end.get(r, self.n_items))
         for k, r in enumerate(order):
             end = block_end.get(r, self.n_items - 1)
@@ -721,6 +718,13 @@ class _Scheduler:
                                        pool))
             self.extra.append(Lifetime(f"grads:{name}", MemoryCategory.GRADS, sharded, end, self.n_items,
                                        pool))
+
+    def _keep_gathered_to_post_backward(self, block_end: dict[int, int]) -> None:
+        """The parameters gathered once for forward and backward (the root's, the last
+        layer's) are resharded by their group's post-backward: the root's at the very end."""
+        for key, group in self.kept_gathered.items():
+            if key in self.born:
+                self.last_read[key] = max(self.last_read.get(key, 0), block_end.get(group, self.n_items - 1))
 
     def _group(self, region: int) -> int:
         """The FSDP2 parameter group of a region: its decoder layer, or HEAD for the root."""
@@ -822,8 +826,11 @@ class _Scheduler:
             last = self.last_read.get(key, born)
             if len(key) == 2 and key[0] in self.handed_off:
                 last = born  # not reduced: the value is the stored gradient (counted as such)
+            # Functional collectives (DTensor's redistributions: tensor-parallel activations)
+            # allocate their output on the caller's stream, the compute one; FSDP2's own
+            # buffers are placed by _fsdp_gather_buffers and _fsdp_reduction_buffers.
             out.append(Lifetime(self._key_name(key), self._category(key, born, last), size, born, last,
-                                self._key_stream(key)))
+                                COMPUTE_STREAM))
         out += self._fsdp_gather_buffers(gathers)
         return out + [lt for lt in self.extra + self._optimizer_temporaries() if lt.size > 0]
 
@@ -873,13 +880,6 @@ class _Scheduler:
         if len(key) == 2:
             return f"{key[0].name}{' (recomputed)' if key[1] else ''}"
         return f"{key[0].name} -> {placements_str(key[2])}{f' ({key[3].value})' if key[3] else ''}"
-
-    def _key_stream(self, key: tuple) -> str:
-        """The stream whose pool a buffer is allocated from. Functional collectives (DTensor's
-        redistributions: tensor-parallel activations) allocate their output on the caller's
-        stream, the compute one; FSDP2's own buffers are placed by ``_fsdp_gather_buffers`` and
-        ``_fsdp_reduction_buffers``; everything else is computed on the compute stream."""
-        return COMPUTE_STREAM
 
     def _breakdown(self, items: list[_Item], lifetimes: list[Lifetime], at: int,
                    static: int) -> MemoryBreakdown:
