@@ -59,7 +59,8 @@ size, stream, and the items from its allocation to its last reader):
 gathered parameters, saved activations, transients, the largest buffers) and where it occurs.
 ``reserved_peak_bytes`` is what the CUDA caching allocator holds at its peak: the buffers of
 three steps replayed through ``cost/allocator.py`` (per-stream pools, rounding, splitting,
-expandable segments if ``expandable_segments``), the figure OOM is checked against.
+expandable segments if ``expandable_segments``), the figure OOM is checked against. The figures
+from the lifetimes are ``cost/memory.py``'s.
 
 The optimizer step runs last on the compute stream, after the last gradient collective: a
 fused Adam reads and writes ``OPTIMIZER_BYTES_PER_ELEMENT`` per local parameter element.
@@ -76,6 +77,15 @@ import torch
 from torch import fx
 from torch.distributed.tensor import Shard
 
+from shardwise.cost.memory import (
+    ADAM_STATES,
+    Lifetime,
+    MemoryBreakdown,
+    MemoryCategory,
+    breakdown,
+    peak_live,
+    reserved_peak,
+)
 from shardwise.cost.overlap import overlapped_time
 from shardwise.cost.topology import MeshTopology
 from shardwise.errors import UserError
@@ -136,17 +146,11 @@ class StepOptions:
     expandable_segments: bool = False
 
 
-# How many training steps the allocator replay runs: the first allocates the optimizer state
-# lazily (``torch.optim`` makes Adam's moments at its first step) into memory the step cached,
-# the next ones reach the steady state torchtitan reads its figures in (step 90).
-ALLOCATOR_STEPS = 3
 # FSDP2 allocates on its own streams (``FSDPCommContext``): all_gather outputs on the all-gather
 # copy-in stream, reduce-scatter inputs and outputs on the reduce-scatter stream; the caching
 # allocator keeps a pool per stream, named here after the mesh dim's stream.
 ALL_GATHER_POOL = "all_gather"
 REDUCE_SCATTER_POOL = "reduce_scatter"
-# Adam(W) keeps two moments per parameter, each its own tensor (exp_avg, exp_avg_sq).
-ADAM_STATES = 2
 
 
 @dataclass(frozen=True)
@@ -162,64 +166,6 @@ class Event:
     @property
     def dur(self) -> float:
         return self.end - self.start
-
-
-class MemoryCategory:
-    """What a live buffer is, for the peak's breakdown."""
-
-    STATIC = "static"                     # parameters and optimizer state, all step long
-    GRADS = "grads"                       # stored (reduced) gradients, until the optimizer step
-    GATHERED_PARAMS = "gathered_params"   # parameters moved to the placement a reader needs
-    SAVED = "saved_activations"           # forward values the backward reads
-    TRANSIENT = "transients"              # everything else: values between producer and reader
-    ALL = (GRADS, GATHERED_PARAMS, SAVED, TRANSIENT)
-
-
-# How many of the largest live buffers the breakdown lists.
-BREAKDOWN_LARGEST = 8
-
-
-@dataclass(frozen=True)
-class Lifetime:
-    """One buffer of the step: allocated before item ``born`` runs, freed after item ``last``."""
-
-    name: str
-    category: str
-    size: int
-    born: int
-    last: int
-    stream: str = "compute"
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """The allocated peak and what is alive there: the node running at the peak (its phase and
-    region) and the bytes per category; ``largest``: (name, category, bytes) of the biggest."""
-
-    at: str
-    phase: str
-    region: int
-    static_bytes: int
-    grads_bytes: int
-    gathered_params_bytes: int
-    saved_activations_bytes: int
-    transients_bytes: int
-    largest: list[tuple[str, str, int]] = field(default_factory=list)
-
-    @property
-    def total_bytes(self) -> int:
-        return (self.static_bytes + self.grads_bytes + self.gathered_params_bytes
-                + self.saved_activations_bytes + self.transients_bytes)
-
-    def to_json(self) -> dict:
-        region = ("head" if self.region == HEAD else "tail" if self.region == TAIL
-                  else f"layer {self.region}")
-        return {"at": self.at, "phase": self.phase, "region": region,
-                "static_bytes": self.static_bytes, "grads_bytes": self.grads_bytes,
-                "gathered_params_bytes": self.gathered_params_bytes,
-                "saved_activations_bytes": self.saved_activations_bytes,
-                "transients_bytes": self.transients_bytes, "total_bytes": self.total_bytes,
-                "largest": [{"name": n, "category": c, "bytes": b} for n, c, b in self.largest]}
 
 
 @dataclass
@@ -648,15 +594,19 @@ class _Scheduler:
             self._extend_sac_cache(items)
         static = self._static_bytes()
         lifetimes = self._lifetimes()
-        live_peak, at = self._peak_live(lifetimes)
+        live_peak, at = peak_live(lifetimes, self.n_items)
         peak = static + live_peak
-        reserved, by_stream = self._reserved_peak(lifetimes)
+        params, states = self._state_buffers()
+        reserved, by_stream = reserved_peak(lifetimes, params, states, self.n_items, self.hw.mem_capacity,
+                                            self.opts.expandable_segments)
+        it = items[min(at, len(items) - 1)]
         return StepSchedule(
             events=sorted(self.events, key=lambda e: (e.stream, e.start)), step_s=step,
             compute_s=compute_s, recompute_s=recompute_s, optimizer_s=opt_s,
             comm_s=sum(e - s for s, e in comm), exposed_comm_s=exposed_time(comm, compute),
             static_bytes=static, peak_bytes=peak, reserved_peak_bytes=reserved, reserved_by_stream=by_stream,
-            memory=self._breakdown(items, lifetimes, at, static), lifetimes=lifetimes,
+            memory=breakdown(lifetimes, at, static, it.node.name, it.phase.value, it.region),
+            lifetimes=lifetimes,
             recomputed=[n.name for n in self.traced.gm.graph.nodes if n in self.recompute])
 
     def _reduce_gradient(self, g: fx.Node, it: _Item, i: int, ready: float) -> None:
@@ -784,30 +734,6 @@ class _Scheduler:
         return [Lifetime("optimizer.step:sqrt", MemoryCategory.TRANSIENT, b, self.n_items, self.n_items)
                 for b in params]
 
-    def _reserved_peak(self, lifetimes: list[Lifetime]) -> tuple[int, dict[str, int]]:
-        """The caching allocator's peak reserved bytes (``cost/allocator.py``) over
-        ``ALLOCATOR_STEPS`` steps: the parameters allocated first, Adam's moments at the first
-        optimizer step, then every buffer of each step in schedule order."""
-        from shardwise.cost.allocator import CachingAllocator, Request, replay
-
-        params, states = self._state_buffers()
-        period = self.n_items + 2
-        forever = period * ALLOCATOR_STEPS
-        ordered = sorted(lifetimes, key=lambda lt: lt.born)
-        reqs = [Request(b, -1, forever) for b in params]
-        for step in range(ALLOCATOR_STEPS):
-            base = step * period
-            step_reqs = [Request(lt.size, lt.born + base, lt.last + base, lt.stream) for lt in ordered]
-            if step == 0:
-                # Adam's moments: zeros_like at the first optimizer step, before its temporaries
-                k = sum(1 for lt in ordered if lt.born < self.n_items)
-                step_reqs[k:k] = [Request(b, self.n_items + base, forever) for b in states]
-            reqs += step_reqs
-        alloc = CachingAllocator(expandable_segments=self.opts.expandable_segments,
-                                 capacity=int(self.hw.mem_capacity))
-        stats = replay(reqs, alloc)
-        return stats.peak_reserved, dict(stats.reserved_by_stream)
-
     def _optimizer_time(self) -> float:
         return self.hw.memory_time(self._param_elements() * OPTIMIZER_BYTES_PER_ELEMENT) + self.hw.launch_s
 
@@ -851,19 +777,6 @@ class _Scheduler:
                                     COMPUTE_STREAM))
         return out
 
-    def _peak_live(self, lifetimes: list[Lifetime]) -> tuple[int, int]:
-        """The most bytes alive at once, and the item where that happens."""
-        delta = [0] * (self.n_items + 2)
-        for lt in lifetimes:
-            delta[lt.born] += lt.size
-            delta[lt.last + 1] -= lt.size
-        live = peak = at = 0
-        for i, d in enumerate(delta):
-            live += d
-            if live > peak:
-                peak, at = live, i
-        return peak, at
-
     def _category(self, key: tuple, born: int, last: int) -> str:
         if key[0] == "grad":
             return MemoryCategory.GRADS
@@ -880,20 +793,6 @@ class _Scheduler:
         if len(key) == 2:
             return f"{key[0].name}{' (recomputed)' if key[1] else ''}"
         return f"{key[0].name} -> {placements_str(key[2])}{f' ({key[3].value})' if key[3] else ''}"
-
-    def _breakdown(self, items: list[_Item], lifetimes: list[Lifetime], at: int,
-                   static: int) -> MemoryBreakdown:
-        live = [lt for lt in lifetimes if lt.born <= at <= lt.last]
-        by_cat = {c: sum(lt.size for lt in live if lt.category == c) for c in MemoryCategory.ALL}
-        it = items[min(at, len(items) - 1)]
-        top = sorted(live, key=lambda lt: -lt.size)[:BREAKDOWN_LARGEST]
-        return MemoryBreakdown(
-            at=it.node.name, phase=it.phase.value, region=it.region, static_bytes=static,
-            grads_bytes=by_cat[MemoryCategory.GRADS],
-            gathered_params_bytes=by_cat[MemoryCategory.GATHERED_PARAMS],
-            saved_activations_bytes=by_cat[MemoryCategory.SAVED],
-            transients_bytes=by_cat[MemoryCategory.TRANSIENT],
-            largest=[(lt.name, lt.category, lt.size) for lt in top])
 
     def _key_bytes(self, key: tuple) -> int:
         if key[0] == "grad":  # a parameter's stored gradient

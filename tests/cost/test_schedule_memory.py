@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.cost.schedule import EventKind, MemoryCategory
+from shardwise.cost.memory import MemoryCategory
+from shardwise.cost.schedule import EventKind
 from shardwise.ir.flops import is_view
 from shardwise.passes.remat import ACPolicy, is_attention, is_matmul
 from shardwise.plan.cluster import regions
