@@ -5,7 +5,10 @@
         [--memory 80GiB] [--timeline trace.json] [--timeline-png step.png] [--json]
 
 Prints step time, tokens per second per device, MFU, peak memory per device and whether it
-fits, and the breakdown of compute, recomputation and (exposed) communication.
+fits, and the breakdown of compute, recomputation and (exposed) communication. Peak memory is
+the caching allocator's reserved peak (``cost/allocator.py``: what OOMs, and what torchtitan
+reports), next to the allocated peak and what is alive there (``memory_breakdown``: static
+state, gradients, gathered parameters, saved activations, transients, the largest buffers).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_step_options(p)
     p.add_argument("--memory", default=None, help="memory per device to check the peak against (default: the "
                    "hardware's)")
+    p.add_argument("--no-expandable-segments", action="store_true",
+                   help="model PyTorch's default caching allocator rather than expandable segments "
+                   "(torchtitan launches with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
     p.add_argument("--extrapolate-from", type=int, default=None, metavar="K",
                    help="trace K and K+2 layers and extrapolate to the model's depth (identical layers)")
     p.add_argument("--time-limit", type=float, default=60.0,
@@ -50,6 +56,8 @@ def run(args: argparse.Namespace) -> dict:
     if (args.timeline or args.timeline_png) and args.extrapolate_from is not None:
         raise UserError("--timeline needs the whole step traced; drop --extrapolate-from.")
     budget = parse_bytes(args.memory) if args.memory else None
+    if args.no_expandable_segments:
+        opts["expandable_segments"] = False
     est = estimate_step(args.model, mesh, args.plan, opts, batch=args.batch, seq=args.seq,
                         layers=args.layers, dtype=args.dtype, memory_budget=budget,
                         extrapolate_from=args.extrapolate_from, time_limit_s=args.time_limit)
@@ -82,7 +90,21 @@ def _print(out: dict) -> None:
         f"AC {out['ac']}{', compiled' if out['compile'] else ''}{', async TP' if out['async_tp'] else ''}\n"
         f"step {out['step_s'] * 1e3:.1f} ms, {out['tokens_per_s_per_device']:,.0f} tokens/s per device, "
         f"MFU {out['mfu']:.1%}, peak memory {format_bytes(out['memory_per_device_bytes'])} per device "
-        f"({'fits' if out['fits'] else 'does not fit'})\n"
+        f"({'fits' if out['fits'] else 'does not fit'}; reserved by the caching allocator, "
+        f"{format_bytes(out['memory_allocated_peak_bytes'])} allocated)\n"
+        f"{_memory_line(out['memory_breakdown'])}"
         f"compute {b['compute_s'] * 1e3:.1f} ms, recompute {b['recompute_s'] * 1e3:.1f} ms, communication "
         f"{b['comm_s'] * 1e3:.1f} ms of which exposed {b['exposed_comm_s'] * 1e3:.1f} ms")
 
+
+
+def _memory_line(m: dict | None) -> str:
+    """Where the allocated peak is and what is alive there."""
+    from shardwise.cost.units import format_bytes
+
+    if not m:
+        return ""
+    parts = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {format_bytes(m[k])}"
+                      for k in ("static_bytes", "grads_bytes", "gathered_params_bytes",
+                                "saved_activations_bytes", "transients_bytes"))
+    return f"allocated peak at {m['at']} ({m['phase']}): {parts}\n"

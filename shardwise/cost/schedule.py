@@ -36,11 +36,31 @@ kernels (Inductor's partitioner recomputes pointwise ops rather than saving them
 kernel of its own, and memory-bound forward values are not kept for the backward.
 
 Memory: static (parameters and optimizer state, ``param_bytes`` + ``optimizer_state_bytes`` per
-local element) plus every value alive at each point of the schedule: a value lives from its
-producer to its last reader (views alias their base), so the peak holds the saved activations
-of the layers whose backward has not run, the gathered parameters in flight and the largest
-transients; a parameter's stored gradient (``grad_bytes`` per local element) lives from its
-reduction to the optimizer step (``zero_grad(set_to_none=True)`` frees it every step).
+local element) plus every buffer alive at each point of the schedule, each a ``Lifetime`` (its
+size, stream, and the items from its allocation to its last reader):
+
+- a value lives from its producer to its last reader; views alias their base and a tuple's
+  elements their tuple (flash attention's output and logsumexp);
+- eager selective AC caches every output its policy saves until the block's recomputation
+  (``torch.utils.checkpoint``'s selective context stores them in the forward, needed or not);
+  compiled blocks save what their backward reads;
+- FSDP2's gathers: the block's flat ``all_gather_output`` on the all-gather stream from the
+  issue (a layer ahead) to the copy-out at the block's start, the unsharded parameters on the
+  compute stream until the block reshards (its last reader); the root (everything outside the
+  layers) and the last layer are not resharded after forward (FSDP2's root rule, torchtitan's
+  ``reshard_after_forward`` for the last block), their forward gather lives to their backward;
+- gradients: a group's unsharded gradients live until its block's backward ends; FSDP2's
+  reduce-scatter input (the group's gradients in ``reduce_dtype``) and output (the stored fp32
+  shards, freed by ``zero_grad(set_to_none=True)`` after the optimizer) on the reduce-scatter
+  stream, the input held until the next group's reduction;
+- the optimizer: foreach AdamW's ``_foreach_sqrt`` temporaries, one per parameter shard.
+
+``peak_bytes`` is the most allocated at once, ``memory`` its breakdown (static, gradients,
+gathered parameters, saved activations, transients, the largest buffers) and where it occurs.
+``reserved_peak_bytes`` is what the CUDA caching allocator holds at its peak: the buffers of
+three steps replayed through ``cost/allocator.py`` (per-stream pools, rounding, splitting,
+expandable segments if ``expandable_segments``), the figure OOM is checked against. The figures
+from the lifetimes are ``cost/memory.py``'s.
 
 The optimizer step runs last on the compute stream, after the last gradient collective: a
 fused Adam reads and writes ``OPTIMIZER_BYTES_PER_ELEMENT`` per local parameter element.
@@ -57,6 +77,15 @@ import torch
 from torch import fx
 from torch.distributed.tensor import Shard
 
+from shardwise.cost.memory import (
+    ADAM_STATES,
+    Lifetime,
+    MemoryBreakdown,
+    MemoryCategory,
+    breakdown,
+    peak_live,
+    reserved_peak,
+)
 from shardwise.cost.overlap import overlapped_time
 from shardwise.cost.topology import MeshTopology
 from shardwise.errors import UserError
@@ -114,6 +143,14 @@ class StepOptions:
     grad_bytes: int | None = None
     optimizer_state_bytes: int = 8
     reduce_fp32: bool = False
+    expandable_segments: bool = False
+
+
+# FSDP2 allocates on its own streams (``FSDPCommContext``): all_gather outputs on the all-gather
+# copy-in stream, reduce-scatter inputs and outputs on the reduce-scatter stream; the caching
+# allocator keeps a pool per stream, named here after the mesh dim's stream.
+ALL_GATHER_POOL = "all_gather"
+REDUCE_SCATTER_POOL = "reduce_scatter"
 
 
 @dataclass(frozen=True)
@@ -142,6 +179,10 @@ class StepSchedule:
     exposed_comm_s: float
     static_bytes: int
     peak_bytes: int
+    reserved_peak_bytes: int = 0
+    reserved_by_stream: dict[str, int] = field(default_factory=dict)  # at the end of the replay
+    memory: MemoryBreakdown | None = None
+    lifetimes: list[Lifetime] = field(default_factory=list, repr=False)
     recomputed: list[str] = field(default_factory=list)
 
     @property
@@ -193,8 +234,10 @@ def is_causal_attention(node: fx.Node) -> bool:
 
 
 def _base(node: fx.Node) -> fx.Node:
-    """The value a view chain aliases."""
-    while node.op == "call_function" and is_view(node) and node.all_input_nodes:
+    """The allocation a value lives in: the base of a view chain, the tuple result an element
+    (``getitem``) belongs to (attention's output and logsumexp live as long as either is read)."""
+    while (node.op == "call_function" and node.all_input_nodes
+           and (is_view(node) or node.target is operator.getitem)):
         node = node.all_input_nodes[0]
     return node
 
@@ -215,11 +258,20 @@ class _Scheduler:
         self.names = tuple(plan.mesh_names)
         self.costs = PlannerCosts(self.mesh_shape, self.hw)
         self.region = regions(traced) or {n: HEAD for n in traced.gm.graph.nodes}
-        self.param_nodes = {traced.node(ph) for ph in traced.params.values()}
+        # a dict, not a set: graph order, so the allocator replay allocates them in a fixed order
+        self.param_nodes = dict.fromkeys(traced.node(ph) for ph in traced.params.values())
         self.grad_of = {traced.node(g): traced.node(traced.params[p]) for p, g in traced.grads.items()}
         self.tp = self.names.index(TP) if TP in self.names else None
+        layers = [r for r in self.region.values() if 0 <= r < TAIL]
+        self.last_layer = max(layers) if layers else None
         remat = recompute_plan(traced.gm, opts.ac) if traced.train else None
         self.recompute: set[fx.Node] = set(remat.recompute) if remat else set()
+        # Eager per-op SAC caches every output its policy saves, needed by the backward or not,
+        # until the block's recomputation pops it (torch.utils.checkpoint's selective
+        # checkpoint context stores MUST_SAVE outputs in the forward). Compiled blocks save what
+        # the partitioner's backward reads, nothing more.
+        self.sac_cached: set[fx.Node] = (set(remat.kept) if remat and opts.ac is ACPolicy.SELECTIVE
+                                         and not opts.compile else set())
         self.fused_free: set[fx.Node] = set()
         self.on_chip: set[fx.Node] = set()
         self.segment_time: dict[fx.Node, float] = {}
@@ -234,6 +286,12 @@ class _Scheduler:
         self.issue_index: dict[tuple, int] = {}  # moved key -> item index it was issued at
         self.last_read: dict[tuple, int] = {}    # instance or moved key -> last item reading it
         self.born: dict[tuple, int] = {}
+        self.first_read: dict[tuple, int] = {}   # moved key -> first item reading it
+        self.move_stream: dict[tuple, str] = {}  # moved key -> stream of its (first) collective
+        self.handed_off: set[fx.Node] = set()     # gradients that are their stored gradient
+        self.reduced: list[tuple[fx.Node, fx.Node, int, str]] = []  # (grad, param, region, stream)
+        self.extra: list[Lifetime] = []            # buffers no graph value stands for
+        self.kept_gathered: dict[tuple, int] = {}  # gathered once for forward and backward -> group
 
     # ---- pricing -------------------------------------------------------------------------
     def _spec(self, node: fx.Node):
@@ -248,6 +306,10 @@ class _Scheduler:
         for s in seg.segments:
             if s.cls not in (SegClass.POINTWISE, SegClass.REDUCTION):
                 continue
+            # torchtitan compiles each TransformerBlock (``apply_compile``: torch.compile per
+            # block, fullgraph): the embedding, final norm, output and loss run eagerly.
+            if not all(0 <= self.region.get(n, HEAD) < TAIL for n in s.nodes):
+                continue
             nbytes = sum(self._value_bytes(v) for v in (*s.inputs, *s.outputs))
             # A segment spanning both phases is two kernels (forward and backward graphs).
             phases = {self.traced.phase(n) for n in s.nodes}
@@ -260,10 +322,26 @@ class _Scheduler:
     def _compiled_recompute(self) -> None:
         """Inductor's min-cut partitioner recomputes memory-bound forward values in the backward
         kernels that read them instead of saving them: inside the layers, a fused forward value
-        the backward reads is recomputed (at no kernel of its own)."""
+        the backward reads is recomputed (at no kernel of its own). Not a block's output: it is
+        the next compiled block's input, which that block's graph saves."""
         fwd_fused = [n for n in self.traced.gm.graph.nodes if n in self.fused_free
-                     and self.traced.phase(n) is Phase.FORWARD and 0 <= self.region.get(n, HEAD) < TAIL]
+                     and self.traced.phase(n) is Phase.FORWARD and 0 <= self.region.get(n, HEAD) < TAIL
+                     and not self._leaves_block(n)]
         self.recompute.update(fwd_fused)
+
+    def _leaves_block(self, node: fx.Node) -> bool:
+        """A forward value another block's forward reads (directly or through views)."""
+        r = self.region.get(node, HEAD)
+        stack = list(node.users)
+        while stack:
+            u = stack.pop()
+            if self.traced.phase(u) is not Phase.FORWARD:
+                continue
+            if is_view(u) or u.target is operator.getitem:
+                stack.extend(u.users)
+            elif self.region.get(u, HEAD) != r:
+                return True
+        return False
 
     def _value_bytes(self, node: fx.Node) -> int:
         spec = self._spec(node)
@@ -322,11 +400,25 @@ class _Scheduler:
     def _move_key(self, u: fx.Node, dst: Placements, reader: _Item) -> tuple:
         if self._is_param(u):
             # FSDP2 reshards after forward: the backward gathers the parameter again. Views of
-            # one parameter (its transposes) share one gather: the same bytes arrive.
+            # one parameter (its transposes) share one gather: the same bytes arrive. Not so
+            # for the root module's parameters (FSDP2's lazy init sets the root's
+            # post_forward_mesh_info to None: "the parameters would be freed and all-gathered
+            # immediately") nor for the last block (torchtitan passes reshard_after_forward=False
+            # for it, "since FSDP would prefetch it immediately"): their forward gather stays.
             base = _base(u)
-            return (base, False, dst if u is base else self._param_view_dst(u, dst), reader.phase)
+            kept = self._kept_gathered(reader.region)
+            key = (base, False, dst if u is base else self._param_view_dst(u, dst),
+                   Phase.FORWARD if kept else reader.phase)
+            if kept:
+                self.kept_gathered[key] = self._group(reader.region)
+            return key
         inst = self._instance(u, reader)
         return (u, inst[1], dst, None)
+
+    def _kept_gathered(self, region: int) -> bool:
+        """The block of ``region`` keeps its gathered parameters from forward to backward: the
+        root (everything outside the decoder layers) and the last layer."""
+        return not 0 <= region < TAIL or region == self.last_layer
 
     def _param_view_dst(self, u: fx.Node, dst: Placements) -> Placements:
         """The placement of the parameter itself that a view of it read in ``dst`` amounts to:
@@ -381,8 +473,10 @@ class _Scheduler:
         return total
 
     def _arrival(self, u: fx.Node, dst: Placements, item: _Item, i: int, t_c: float, gate: float = 0.0,
-                 matmul_reader: bool = False) -> float:
-        """When value ``u`` is available in ``dst`` to ``item``; schedules its move if needed."""
+                 matmul_reader: bool = False, issued_at: int | None = None) -> float:
+        """When value ``u`` is available in ``dst`` to ``item`` (item index ``i``); schedules its
+        move if needed, issued at item ``issued_at`` (default ``i``; earlier when prefetched:
+        its buffer is allocated when the collective is issued)."""
         spec_u = self._spec(u)
         key = self._move_key(u, dst, item)
         inst = (_base(u), key[1])
@@ -392,6 +486,7 @@ class _Scheduler:
             return self.ready.get(inst, 0.0)
         if key in self.moved:
             self.last_read[key] = i
+            self.first_read[key] = min(self.first_read.get(key, i), i)
             return self.moved[key]
         steps = self._collective_steps(u, src, dst)
         produced = max(self.ready.get(inst, 0.0), gate)
@@ -415,8 +510,11 @@ class _Scheduler:
         else:
             arrive = self._run_steps(u.name, steps, produced, item)
         self.moved[key] = arrive
+        self.first_read[key] = i
+        if stream is not None:
+            self.move_stream[key] = stream
         self.issue_index[key] = i
-        self.born[key] = i
+        self.born[key] = i if issued_at is None else min(i, issued_at)
         self.last_read[key] = i
         self.last_read[inst] = max(self.last_read.get(inst, i), i)
         return arrive
@@ -425,6 +523,8 @@ class _Scheduler:
     def run(self) -> StepSchedule:
         items = self.items()
         self.n_items = len(items)
+        self.first_backward = next((i for i, it in enumerate(items) if it.phase is Phase.BACKWARD),
+                                   len(items))
         blocks: list[tuple[Phase, int]] = []
         for it in items:
             b = (it.phase, it.region)
@@ -452,7 +552,7 @@ class _Scheduler:
                 started.add(b)
                 for blk in (b, next_block.get(b)):
                     for u, dst, reader, k in param_reads.get(blk, []) if blk else []:
-                        self._arrival(u, dst, reader, k, t_c, gate=t_c)
+                        self._arrival(u, dst, reader, k, t_c, gate=t_c, issued_at=i)
             n = it.node
             spec = self._spec(n)
             dur = self._node_time(n, it.recompute)
@@ -489,13 +589,24 @@ class _Scheduler:
         step = max([opt_start + opt_s] + [e.end for e in self.events])
         comm = [(e.start, e.end) for e in self.events if e.kind == EventKind.COLLECTIVE]
         compute = [(e.start, e.end) for e in self.events if e.stream == COMPUTE_STREAM]
+        if self.traced.train:
+            self._fsdp_reduction_buffers(items)
+            self._extend_sac_cache(items)
         static = self._static_bytes()
-        peak = static + self._peak_live(len(items))
+        lifetimes = self._lifetimes()
+        live_peak, at = peak_live(lifetimes, self.n_items)
+        peak = static + live_peak
+        params, states = self._state_buffers()
+        reserved, by_stream = reserved_peak(lifetimes, params, states, self.n_items, self.hw.mem_capacity,
+                                            self.opts.expandable_segments)
+        it = items[min(at, len(items) - 1)]
         return StepSchedule(
             events=sorted(self.events, key=lambda e: (e.stream, e.start)), step_s=step,
             compute_s=compute_s, recompute_s=recompute_s, optimizer_s=opt_s,
             comm_s=sum(e - s for s, e in comm), exposed_comm_s=exposed_time(comm, compute),
-            static_bytes=static, peak_bytes=peak,
+            static_bytes=static, peak_bytes=peak, reserved_peak_bytes=reserved, reserved_by_stream=by_stream,
+            memory=breakdown(lifetimes, at, static, it.node.name, it.phase.value, it.region),
+            lifetimes=lifetimes,
             recomputed=[n.name for n in self.traced.gm.graph.nodes if n in self.recompute])
 
     def _reduce_gradient(self, g: fx.Node, it: _Item, i: int, ready: float) -> None:
@@ -506,11 +617,81 @@ class _Scheduler:
         self.born[("grad", param)] = i
         self.last_read[("grad", param)] = self.n_items
         if src == dst:
+            self.handed_off.add(_base(g))
             return
         itemsize = g.meta["val"].element_size()
         scale = FP32_BYTES / itemsize if self.opts.reduce_fp32 else 1.0
-        self._run_steps(g.name, self._collective_steps(g, src, dst, scale), ready, it)
+        steps = self._collective_steps(g, src, dst, scale)
+        self._run_steps(g.name, steps, ready, it)
         self.last_read[(g, False)] = i
+        scatter = [dim for kind, dim, _ in steps if kind is CollectiveKind.REDUCE_SCATTER]
+        if not scatter:
+            # an all_reduce (replicated parameters) reduces the gradient in place: it is the
+            # stored gradient
+            self.handed_off.add(_base(g))
+            return
+        self.reduced.append((g, param, it.region, stream_name(self.names, scatter[0])))
+
+    def _fsdp_reduction_buffers(self, items: list[_Item]) -> None:
+        """FSDP2's gradient reduction as it allocates (``foreach_reduce``): a group's unsharded
+        gradients live until its block's backward ends (its post-backward hook reduces the whole
+        group: the decoder layer, or the root for everything outside the layers); then the
+        reduce-scatter input, the group's unsharded gradients copied in ``reduce_dtype`` (fp32),
+        is allocated on the reduce-scatter stream and kept until the next group's reduction
+        (FSDP2 holds it in ``comm_ctx.reduce_scatter_state`` until then); the reduced shard, the
+        stored gradient, is allocated on that stream too."""
+        block_end: dict[int, int] = {}
+        for i, it in enumerate(items):
+            if it.phase is Phase.BACKWARD:
+                block_end[self._group(it.region)] = i
+        groups: dict[int, list[tuple[fx.Node, fx.Node, str]]] = defaultdict(list)
+        for g, param, region, stream in self.reduced:
+            groups[self._group(region)].append((g, param, stream))
+        self._keep_gathered_to_post_backward(block_end)
+        order = sorted(groups, key=lambda r: block_end.get(r, self.n_items))
+        for k, r in enumerate(order):
+            end = block_end.get(r, self.n_items - 1)
+            nxt = block_end.get(order[k + 1], self.n_items) if k + 1 < len(order) else self.n_items
+            staged = sharded = 0
+            for g, param, _stream in groups[r]:
+                inst = (_base(g), False)
+                self.last_read[inst] = max(self.last_read.get(inst, end), end)
+                v = g.meta["val"]
+                unsharded = local_bytes(v, self._spec(g).output[0], self.mesh_shape) // v.element_size()
+                staged += unsharded * (FP32_BYTES if self.opts.reduce_fp32 else v.element_size())
+                # the group's stored gradients are views of one reduce-scatter output
+                sharded += self._key_bytes(("grad", param))
+                del self.born[("grad", param)]
+            name = "root" if r == HEAD else r
+            pool = f"{groups[r][0][2]}:{REDUCE_SCATTER_POOL}"
+            self.extra.append(Lifetime(f"reduce_scatter_input:{name}", MemoryCategory.GRADS, staged, end, nxt,
+                                       pool))
+            self.extra.append(Lifetime(f"grads:{name}", MemoryCategory.GRADS, sharded, end, self.n_items,
+                                       pool))
+
+    def _keep_gathered_to_post_backward(self, block_end: dict[int, int]) -> None:
+        """The parameters gathered once for forward and backward (the root's, the last
+        layer's) are resharded by their group's post-backward: the root's at the very end."""
+        for key, group in self.kept_gathered.items():
+            if key in self.born:
+                self.last_read[key] = max(self.last_read.get(key, 0), block_end.get(group, self.n_items - 1))
+
+    def _group(self, region: int) -> int:
+        """The FSDP2 parameter group of a region: its decoder layer, or HEAD for the root."""
+        return region if 0 <= region < TAIL else HEAD
+
+    def _extend_sac_cache(self, items: list[_Item]) -> None:
+        """Eager SAC's cached outputs live until their block's recomputation starts."""
+        first_recompute: dict[int, int] = {}
+        for i, it in enumerate(items):
+            if it.recompute:
+                first_recompute.setdefault(it.region, i)
+        for n in self.sac_cached:
+            inst = (_base(n), False)
+            r = self.region.get(n, HEAD)
+            # Only the decoder layers are checkpointed (torchtitan wraps each block).
+            if inst in self.born and 0 <= r < TAIL and r in first_recompute:
+                self.last_read[inst] = max(self.last_read.get(inst, self.born[inst]), first_recompute[r])
 
     # ---- memory --------------------------------------------------------------------------
     def _param_elements(self) -> int:
@@ -531,25 +712,87 @@ class _Scheduler:
             total += elems * per
         return int(total)
 
+    def _state_buffers(self) -> tuple[list[int], list[int]]:
+        """The tensors of the static state: each parameter's stored shard, and (training) Adam's
+        two moments of it, one tensor each."""
+        params, states = [], []
+        for ph in self.param_nodes:
+            v = ph.meta["val"]
+            elems = local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
+            params.append(elems * (self.opts.param_bytes or v.element_size()))
+            if self.traced.train and self.opts.optimizer_state_bytes:
+                states += [elems * self.opts.optimizer_state_bytes // ADAM_STATES] * ADAM_STATES
+        return params, states
+
+    def _optimizer_temporaries(self) -> list[Lifetime]:
+        """torchtitan's AdamW runs ``foreach`` (``foreach = not fused``, fused off by default):
+        ``_foreach_sqrt(exp_avg_sqs)`` makes one temporary per parameter, the size of its
+        shard, for the length of the step (the other updates are in place)."""
+        if not self.traced.train:
+            return []
+        params, _ = self._state_buffers()
+        return [Lifetime("optimizer.step:sqrt", MemoryCategory.TRANSIENT, b, self.n_items, self.n_items)
+                for b in params]
+
     def _optimizer_time(self) -> float:
         return self.hw.memory_time(self._param_elements() * OPTIMIZER_BYTES_PER_ELEMENT) + self.hw.launch_s
 
-    def _peak_live(self, n_items: int) -> int:
-        delta = [0] * (n_items + 2)
+    def _lifetimes(self) -> list[Lifetime]:
+        """Every buffer the step allocates besides the static state: its size and the items
+        (graph positions) from its allocation to its last reader."""
+        out = []
+        gathers: dict[tuple[int, str], list[tuple[tuple, int]]] = defaultdict(list)
         for key, born in self.born.items():
             size = self._key_bytes(key)
             if size == 0:
                 continue
+            if len(key) == 4 and self._is_param(key[0]) and key in self.move_stream:
+                gathers[(born, self.move_stream[key])].append((key, size))
+                continue
             last = self.last_read.get(key, born)
-            if len(key) == 2 and isinstance(key[0], fx.Node) and key[0] in self.grad_of:
-                last = born  # the gradient leaves as its reduced shard (static memory)
-            delta[born] += size
-            delta[last + 1] -= size
-        live = peak = 0
-        for d in delta:
-            live += d
-            peak = max(peak, live)
-        return peak
+            if len(key) == 2 and key[0] in self.handed_off:
+                last = born  # not reduced: the value is the stored gradient (counted as such)
+            # Functional collectives (DTensor's redistributions: tensor-parallel activations)
+            # allocate their output on the caller's stream, the compute one; FSDP2's own
+            # buffers are placed by _fsdp_gather_buffers and _fsdp_reduction_buffers.
+            out.append(Lifetime(self._key_name(key), self._category(key, born, last), size, born, last,
+                                COMPUTE_STREAM))
+        out += self._fsdp_gather_buffers(gathers)
+        return out + [lt for lt in self.extra + self._optimizer_temporaries() if lt.size > 0]
+
+    def _fsdp_gather_buffers(self, gathers: dict[tuple[int, str], list[tuple[tuple, int]]]) -> list[Lifetime]:
+        """FSDP2's parameter all_gather as it allocates: the parameters a block gathers at once
+        go into one flat ``all_gather_output`` on the all-gather stream, from the issue to the
+        copy-out when the block starts (``foreach_all_gather_copy_out`` in its pre-forward or
+        pre-backward hook), which allocates each unsharded parameter on the compute stream,
+        alive until the block reshards (its last reader)."""
+        out = []
+        for (born, stream), keys in gathers.items():
+            copy_out = max(born, min(self.first_read.get(k, born) for k, _ in keys))
+            out.append(Lifetime(f"all_gather_output@{born}", MemoryCategory.GATHERED_PARAMS,
+                                sum(size for _, size in keys), born, copy_out, f"{stream}:{ALL_GATHER_POOL}"))
+            for k, size in keys:
+                last = max(self.last_read.get(k, copy_out), copy_out)
+                out.append(Lifetime(self._key_name(k), MemoryCategory.GATHERED_PARAMS, size, copy_out, last,
+                                    COMPUTE_STREAM))
+        return out
+
+    def _category(self, key: tuple, born: int, last: int) -> str:
+        if key[0] == "grad":
+            return MemoryCategory.GRADS
+        if len(key) == 4 and self._is_param(key[0]):
+            return MemoryCategory.GATHERED_PARAMS
+        # Saved for the backward: made before the backward starts, read after it has.
+        if born < self.first_backward <= last:
+            return MemoryCategory.SAVED
+        return MemoryCategory.TRANSIENT
+
+    def _key_name(self, key: tuple) -> str:
+        if key[0] == "grad":
+            return f"grad:{key[1].name}"
+        if len(key) == 2:
+            return f"{key[0].name}{' (recomputed)' if key[1] else ''}"
+        return f"{key[0].name} -> {placements_str(key[2])}{f' ({key[3].value})' if key[3] else ''}"
 
     def _key_bytes(self, key: tuple) -> int:
         if key[0] == "grad":  # a parameter's stored gradient

@@ -54,6 +54,7 @@ from torch import fx
 from torch.distributed import config as dist_config
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, placement_types
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -120,6 +121,13 @@ class Layout:
         """``local`` (this rank's piece) as the DTensor of this layout on ``device_mesh``."""
         return DTensor.from_local(local, device_mesh, self.placements, run_check=False, shape=self.shape,
                                   stride=_contiguous_stride(self.shape))
+
+    def dtensor_spec(self, device_mesh: DeviceMesh, dtype: torch.dtype) -> DTensorSpec:
+        """DTensor's description of this layout: with it, ``DTensor(local, spec, requires_grad=False)``
+        wraps a local piece without ``from_local``'s autograd node (for values autograd hands out
+        itself, such as gradients)."""
+        meta = TensorMeta(torch.Size(self.shape), _contiguous_stride(self.shape), dtype)
+        return DTensorSpec(device_mesh, tuple(self.placements), tensor_meta=meta)
 
     def assemble(self, pieces: dict[tuple[int, ...], torch.Tensor]) -> torch.Tensor:
         """The global tensor from every coordinate's piece (inverse of ``shard``)."""

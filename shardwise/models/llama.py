@@ -45,6 +45,12 @@ CONFIGS: dict[str, LlamaConfig] = {
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256,
         rope_theta=10000.0, batch=4, seq=16, dtype=torch.float32,
     ),
+    # Big enough that arithmetic, not per-op overhead, dominates a CPU training step (a few
+    # hundred ms on one core), small enough to train in seconds: for CPU benchmarks and demos.
+    "llama-small": LlamaConfig(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=704, vocab_size=2048,
+        rope_theta=10000.0, batch=8, seq=256, dtype=torch.float32,
+    ),
     "llama3-8b": LlamaConfig(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
         batch=16, seq=8192,

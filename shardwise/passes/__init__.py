@@ -20,7 +20,14 @@ PASSES: dict[str, str] = {
     "collective_matmul": "shardwise.passes.collective_matmul",
     "bucket": "shardwise.passes.bucket",
     "remat": "shardwise.passes.remat",
+    "simplify": "shardwise.passes.simplify",
+    "early_loss_weight": "shardwise.passes.early_loss_weight",
+    "sink_waits": "shardwise.passes.sink_waits",
 }
+
+# Passes that change no value and only help a bound program run (fewer ops, collectives under
+# compute): ``parallelize`` applies them to every program it binds, after the user's passes.
+RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits")
 
 
 def parse_passes(names: str | Sequence[str]) -> tuple[str, ...]:

@@ -28,8 +28,10 @@ there from the start) through pure layout ops (transpose, contiguous copy), so i
 those ops) can run where the first member ran, earlier than the others needed it: every later
 use still follows. Members of one bucket share kind, reduce op, group and
 dtype, in graph order (which every rank shares), at most ``bucket_bytes`` each (DDP's default,
-25 MiB): consecutive gathers are the same layer's parameters, so the memory held early is one
-bucket, and the first gradients reduce while later ones are still being computed.
+25 MiB; the first reduction bucket at most ``first_bucket_bytes``, 1 MiB, as DDP's):
+consecutive gathers are the same layer's parameters, so the memory held early is one bucket, and
+the first gradients reduce while later ones are still being computed (once ``sink_waits`` has
+moved each bucket's wait to its reader, the step's end).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 # torch.nn.parallel.DistributedDataParallel's default bucket_cap_mb.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+# DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): the first gradients of the
+# backward reduce early, under the rest of it, instead of waiting for 25 MiB of them.
+FIRST_BUCKET_BYTES = 2**20
 REDUCTIONS = (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)
 
 
@@ -117,10 +122,13 @@ def _from_inputs(node: fx.Node) -> set[fx.Node] | None:
     return chain
 
 
-def find_buckets(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
-    """Groups of two or more eligible collectives, in graph order, each within ``bucket_bytes``."""
+def find_buckets(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[Bucket]:
+    """Groups of two or more eligible collectives, in graph order, each within ``bucket_bytes``
+    (the first reduction bucket of each group within ``first_bucket_bytes``)."""
     open_: dict[tuple, Bucket] = {}
     done: list[Bucket] = []
+    seen: set[tuple] = set()
     for c in all_collectives(gm.graph):
         if not _eligible(c):
             continue
@@ -128,8 +136,10 @@ def find_buckets(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -
         size = v.numel() * v.element_size()
         key = _key(c)
         b = open_.get(key)
-        if b is not None and b.nbytes + size > bucket_bytes:
+        first = c.kind in REDUCTIONS and key not in seen
+        if b is not None and b.nbytes + size > (first_bucket_bytes if first else bucket_bytes):
             done.append(open_.pop(key))
+            seen.add(key)
             b = None
         if b is None:
             b = open_[key] = Bucket(c.kind, str(c.reduce_op), c.group_name, int(c.group_size))
@@ -205,10 +215,11 @@ def _replace(gm: fx.GraphModule, c: Collective, value: fx.Node) -> None:
     gm.graph.erase_node(c.op)
 
 
-def apply(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+def apply(gm: fx.GraphModule, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+          first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> int:
     """Bucket the collectives of ``gm`` in place; the number of collectives merged away."""
     merged = 0
-    for b in find_buckets(gm, bucket_bytes):
+    for b in find_buckets(gm, bucket_bytes, first_bucket_bytes):
         order = topo_index(gm.graph)  # earlier buckets moved nodes
         if b.kind is CollectiveKind.ALL_GATHER:
             _rewrite_gather(gm, b, order)

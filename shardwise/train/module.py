@@ -30,7 +30,7 @@ import hashlib
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,12 +39,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.lower.spmd import Layout, SPMDProgram, lower_on
 from shardwise.mesh import Mesh, destroy_world
-from shardwise.passes import remat
+from shardwise.passes import RUNTIME_PASSES, remat, run_passes
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan.plan import Plan
 from shardwise.runtime.launch import real_constants, retarget_device
@@ -201,11 +202,12 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runner: _Program, inputs: tuple[torch.Tensor, ...], *params: DTensor) -> torch.Tensor:
-        outs = runner.program.gm(*[p.to_local() for p in params], *inputs)
+        # The local shards themselves: to_local()'s autograd node is of no use inside a Function
+        # (autograd sees only this Function) and costs a Python call per parameter each step.
+        outs = runner.program.gm(*[p._local_tensor for p in params], *inputs)
         loss = outs[0]
-        ctx.grads = [None if g is None else (g, lay) for g, lay in zip(outs[1:], runner.grad_layouts,
-                                                                      strict=True)]
-        ctx.mesh = runner.device_mesh
+        ctx.grads = [None if spec is None else (g, spec)
+                     for g, spec in zip(outs[1:], runner.grad_specs(outs[1:]), strict=True)]
         return loss.detach().clone()
 
     @staticmethod
@@ -216,9 +218,9 @@ class _Step(torch.autograd.Function):
             if item is None:
                 grads.append(None)
                 continue
-            g, lay = item
+            g, spec = item
             g = g if scale is None else g * scale.to(g.dtype)
-            grads.append(lay.to_dtensor(g, ctx.mesh))
+            grads.append(DTensor(g, spec, requires_grad=False))
         ctx.grads = None
         return (None, None, *grads)
 
@@ -233,6 +235,20 @@ class _Program:
     params: list[str]  # traced parameter names, in placeholder order
     inputs: list[Layout]
     grad_layouts: list[Layout | None]  # per parameter (training)
+    _grad_specs: dict[tuple[int, torch.dtype], DTensorSpec] = field(default_factory=dict)
+
+    def grad_specs(self, grads: Sequence[torch.Tensor | None]) -> list[DTensorSpec | None]:
+        """Each gradient's DTensor spec (its layout on the mesh), built once per layout."""
+        out: list[DTensorSpec | None] = []
+        for i, (g, lay) in enumerate(zip(grads, self.grad_layouts, strict=True)):
+            if g is None or lay is None:
+                out.append(None)
+                continue
+            key = (i, g.dtype)
+            if key not in self._grad_specs:
+                self._grad_specs[key] = lay.dtensor_spec(self.device_mesh, g.dtype)
+            out.append(self._grad_specs[key])
+        return out
 
     def parameters(self) -> list[nn.Parameter]:
         named = dict(self.module.named_parameters())
@@ -288,6 +304,7 @@ class ParallelModule(nn.Module):
         for name, value in real_constants(gm, module).items():
             setattr(gm, name, value)
         retarget_device(gm, device)
+        run_passes(gm, list(RUNTIME_PASSES))
         lays = program.param_layouts()
         names = list(traced.params)
         for k in names:

@@ -72,3 +72,27 @@ def test_bad_input_is_one_sentence(tmp_path, hf_tiny_config):
     make_plan(traced, parse_mesh("2"), baseline="fsdp").save(path)
     _refused(_cli("--model", f"hf:{hf_tiny_config}", "--batch", "8", "--seq", "64", "--mesh", "2",
                   "--plan", str(path)), "llama-tiny")
+
+
+def test_memory_report():
+    """Peak memory is the caching allocator's reserved peak; the allocated peak's breakdown adds
+    up; a budget between the two says it does not fit (OOM happens against reserved)."""
+    r = _cli(*TINY, "--mesh", "2", "--plan", "fsdp", "--ac", "selective", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    alloc, reserved = out["memory_allocated_peak_bytes"], out["memory_reserved_peak_bytes"]
+    assert out["memory_per_device_bytes"] == reserved >= alloc > 0
+    m = out["memory_breakdown"]
+    parts = ("static_bytes", "grads_bytes", "gathered_params_bytes", "saved_activations_bytes",
+             "transients_bytes")
+    assert sum(m[k] for k in parts) == m["total_bytes"] == alloc
+    assert m["phase"] in ("forward", "backward") and m["at"]
+    assert all(e["bytes"] > 0 for e in m["largest"])
+    between = str((alloc + reserved) // 2)
+    r = _cli(*TINY, "--mesh", "2", "--plan", "fsdp", "--ac", "selective", "--memory", between,
+             "--no-expandable-segments", "--json")
+    assert r.returncode == 0, r.stderr
+    tight = json.loads(r.stdout)
+    assert tight["memory_allocated_peak_bytes"] == alloc  # the same tensors
+    assert tight["fits"] is (tight["memory_reserved_peak_bytes"] <= int(between))
+    assert out["fits"] is True

@@ -123,7 +123,16 @@ def test_compile_fuses_memory_bound_work():
     _, comp = _schedule("4", None, "fsdp", compile=True)
     assert comp.compute_s < eager.compute_s
     assert len(comp.stream_events(COMPUTE_STREAM)) < len(eager.stream_events(COMPUTE_STREAM))
-    assert comp.peak_bytes < eager.peak_bytes
+    # torchtitan compiles the decoder blocks only: their memory-bound values are recomputed in
+    # the backward's kernels instead of saved; the eager loss region is the same in both
+    assert comp.peak_bytes <= eager.peak_bytes
+    def saved(s):
+        return sum(lt.size for lt in s.lifetimes if lt.category == "saved_activations")
+
+    assert saved(comp) < saved(eager)
+    head = [e for e in comp.stream_events(COMPUTE_STREAM) if not 0 <= e.region < 2]
+    eager_head = [e for e in eager.stream_events(COMPUTE_STREAM) if not 0 <= e.region < 2]
+    assert len(head) == len(eager_head)
 
 
 def test_memory_peak_holds_the_state_and_grows_with_the_layers():
@@ -153,5 +162,8 @@ def test_extrapolating_identical_layers_matches_tracing_them():
     direct = estimate_prepared([prep[2]], depth, tokens, mesh, get_hardware(HW), opts)
     extra = estimate_prepared(prep[:2], depth, tokens, mesh, get_hardware(HW), opts)
     assert extra.extrapolated_from == k and direct.extrapolated_from is None
-    for field in ("step_s", "memory_per_device_bytes", "recompute_s", "compute_s", "exposed_comm_s"):
+    for field in ("step_s", "memory_allocated_peak_bytes", "recompute_s", "compute_s", "exposed_comm_s"):
         assert getattr(extra, field) == pytest.approx(getattr(direct, field), rel=0.005), field
+    # the allocator's reserved bytes are not exactly linear in the layers (where a block is
+    # carved from depends on what was cached before it): close, not exact
+    assert extra.memory_per_device_bytes == pytest.approx(direct.memory_per_device_bytes, rel=0.05)

@@ -77,3 +77,14 @@ def test_reductions_read_inside_the_step_are_left_alone():
     before = _count(tp.gm, CollectiveKind.ALL_REDUCE)
     assert before > 0
     assert bucket.apply(tp.gm) == 0 and _count(tp.gm, CollectiveKind.ALL_REDUCE) == before
+
+
+def test_the_first_gradient_bucket_is_small_like_ddps():
+    """The backward's first gradients go out in a small bucket (DDP's 1 MiB first bucket), so
+    their reduction starts while the rest of the backward runs; later buckets fill up to the cap.
+    Capped below one gradient's size, the first bucket is that gradient alone (left as it is)."""
+    _, ddp = _programs("ddp", Mesh((2,), ("dp",)))
+    (whole,) = bucket.find_buckets(ddp.gm)  # the tiny model's gradients fit in one
+    split = bucket.find_buckets(ddp.gm, first_bucket_bytes=4096)
+    assert [b.kind for b in split] == [CollectiveKind.ALL_REDUCE]
+    assert split[0].members == whole.members[1:]
