@@ -20,13 +20,13 @@ reader sees the same values even where an op writes in place (an embedding gradi
 reshape chain whose source is not contiguous becomes a ``reshape`` (which may copy), and
 folding constants (a folded buffer written in place would carry one step's writes into the
 next). A chain over a contiguous source becomes a ``view`` (a view of it to any shape of the
-same size exists). A ``*_like`` factory reads only its input's
-shape, dtype and device, which an all_reduce keeps, so it need not wait for one (the backward's
-seed gradient then does not wait for the loss's all_reduce). Composition needs every node's
-recorded shape (``meta['val']``); a node without one is left as it is. A subgraph is folded
-only when all its inputs are real (not fake) constants, it holds no collective or random op, and
-its result is at most ``CONST_FOLD_MAX_BYTES`` (a large factory output is cheaper to make each
-step than to keep: the segmentation pass's rule); the result becomes a buffer of the module.
+same size exists). A ``*_like`` factory reads only its input's shape, dtype and device, which an
+all_reduce keeps, so it need not wait for one (the backward's seed gradient then does not wait
+for the loss's all_reduce). Composition needs every node's recorded shape (``meta['val']``); a
+node without one is left as it is. A subgraph is folded only when all its inputs are real (not
+fake) constants, it holds no collective or random op, and its result is at most
+``CONST_FOLD_MAX_BYTES`` (a large factory output is cheaper to make each step than to keep: the
+segmentation pass's rule); the result becomes a buffer of the module.
 """
 
 from __future__ import annotations
