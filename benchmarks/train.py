@@ -1,6 +1,7 @@
 """Training with shardwise against PyTorch's own data-parallel loops, and the memory of a big model.
 
-Speed: the same model, weights, data, AdamW and clipping on 2 gloo ranks, trained by
+Speed: the same model, weights, data, AdamW (fused, torchtitan's default; ``--optimizer foreach``)
+and clipping on 2 gloo ranks, trained by
 
 - ``shardwise-fsdp`` / ``shardwise-ddp``: ``shardwise.train.parallelize`` with the fsdp / ddp plan
   and the ``bucket`` pass (gradient reductions grouped into 25 MiB buckets, like DDP's);
@@ -110,7 +111,8 @@ def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) ->
         def step_inputs(step):
             tokens, labels = global_batch(source, step, args.batch, args.seq)
             return tokens[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)  # the same for every loop
+    # The same for every loop; fused is torchtitan's default AdamW implementation.
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **{args.optimizer: True})
     times, loss = [], None
     for step in range(args.warmup + args.steps):
         dist.barrier()
@@ -192,6 +194,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                   help="AdamW implementation, the same for every loop")
     p.add_argument("--mem-model", default="llama3-8b")
     p.add_argument("--mem-layers", type=int, default=4)
     p.add_argument("--mem-batch", type=int, default=4)

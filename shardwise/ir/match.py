@@ -583,6 +583,22 @@ def insert_call_after(prev: fx.Node, target: object, args: tuple, kwargs: dict |
     return node
 
 
+def einsum_is_weight_grad(equation: str) -> bool:
+    """``"bsn,bsk->nk"``: both operands share their leading (batch) dims, which are summed out,
+    leaving their last dims side by side: a linear layer's weight gradient, one ``mm`` of the
+    two flattened to 2-D (``a.flatten(0, -2).t() @ b.flatten(0, -2)``)."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return False
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    if len(ops) != 2:
+        return False
+    a, b = ops
+    return (len(a) == len(b) >= 2 and a[:-1] == b[:-1] and len(set(a + b[-1])) == len(a) + 1
+            and out == a[-1] + b[-1])
+
+
 def einsum_is_matmul(equation: str) -> bool | None:
     """``"...k,kn->...n"`` -> False, ``"...k,nk->...n"`` -> True (b transposed), else None."""
     eq = equation.replace(" ", "")

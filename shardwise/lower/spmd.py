@@ -466,15 +466,18 @@ class _Lowerer(fx.Interpreter):
 
 def _call_local(n: fx.Node, args: tuple, kwargs: dict) -> object:
     """Run ``n``'s op on local tensors. A matmul-shaped einsum runs as ``torch.matmul``, which
-    traces to flatten -> mm -> unflatten (what the collective-matmul pass fuses); traced as
-    ``aten.einsum`` it would decompose into an unsqueeze/permute/bmm chain nobody matches."""
-    from shardwise.ir.match import einsum_is_matmul
+    traces to flatten -> mm -> unflatten (what the collective-matmul pass fuses), and a weight
+    gradient as one ``mm`` of its operands flattened to 2-D; traced as ``aten.einsum`` either
+    would decompose into an unsqueeze/permute/bmm chain nobody matches, several ops longer."""
+    from shardwise.ir.match import einsum_is_matmul, einsum_is_weight_grad
 
     if n.target is torch.ops.aten.einsum.default and not kwargs:
         transposed = einsum_is_matmul(args[0])
         a, b = args[1]
         if transposed is not None:
             return torch.matmul(a, b.t() if transposed else b)
+        if einsum_is_weight_grad(args[0]):
+            return torch.mm(a.flatten(0, -2).t(), b.flatten(0, -2))
     return n.target(*args, **kwargs)
 
 

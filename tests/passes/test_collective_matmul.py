@@ -169,6 +169,22 @@ def test_einsum_is_matmul(eq: str, expected: bool | None) -> None:
     assert cm.einsum_is_matmul(eq) is expected
 
 
+@pytest.mark.parametrize("eq, expected", [
+    ("bsn,bsk->nk", True), ("sn,sk->nk", True), ("bsn,bsk->kn", False), ("bsn,bsn->nn", False),
+    ("bsk,kn->bsn", False), ("bsn,btk->nk", False), ("...n,...k->nk", False),
+])
+def test_einsum_is_weight_grad(eq: str, expected: bool) -> None:
+    """The weight-gradient form that lowering runs as one mm of the operands flattened to 2-D."""
+    from shardwise.ir.match import einsum_is_weight_grad
+
+    assert einsum_is_weight_grad(eq) is expected
+    if expected:
+        a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+        a, b = (a[0], b[0]) if len(eq.split(",")[0]) == 2 else (a, b)
+        want = torch.einsum(eq, a, b)
+        torch.testing.assert_close(a.flatten(0, -2).t() @ b.flatten(0, -2), want)
+
+
 def test_group_is_fusable() -> None:
     assert cm.group_is_fusable(2) and cm.group_is_fusable(8)
     assert not cm.group_is_fusable(1) and not cm.group_is_fusable(None)
