@@ -30,7 +30,10 @@ def train(model: str, mesh: str, names: str, plan: str, steps: int, passes: str 
         cmd += ["--passes", passes]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
-        return proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        # The CLI's own one-sentence error if it wrote one (library warnings may follow it).
+        lines = proc.stderr.strip().splitlines()
+        said = [ln for ln in lines if ln.startswith("shardwise")]
+        return (said or lines or [f"exit {proc.returncode}"])[-1]
     return json.loads(proc.stdout)
 
 
