@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from rows import print_rows
+
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 # name -> (config, layers, mesh, batch, seq). Phi-3 and Qwen2-7B are the cases of issue 15.
 CASES = {
@@ -70,10 +72,7 @@ def main() -> None:
         return
     cols = ("case", "mesh", "status", "auto_ms", "obj_ratio", "best_hand", "best_hand_ms", "auto_le_hand",
             "gap", "start", "fallback_ops", "variables", "wall_s", "target_s")
-    print(" ".join(f"{c:>12}" for c in cols))
-    for r in rows:
-        print(" ".join(f"{r.get(c, ''):>12.3f}" if isinstance(r.get(c), float) else f"{r.get(c, '')!s:>12}"
-                       for c in cols))
+    print_rows(rows, cols)
 
 
 if __name__ == "__main__":

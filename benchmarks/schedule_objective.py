@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from rows import print_rows
+
 # name -> (model, layers, mesh, batch, seq): the everyday workload of DESIGN.md.
 CASES = {
     "llama3-8b:2": ("llama3-8b", 2, "8x8", 16, 8192),
@@ -67,10 +69,7 @@ def main() -> None:
         return
     cols = ("case", "mesh", "status", "chosen", "objective_ms", "step_ms", "ratio", "within_1pct",
             "exposed_ms", "best_hand", "best_hand_ms", "auto_le_hand", "gap", "wall_s")
-    print(" ".join(f"{c:>12}" for c in cols))
-    for r in rows:
-        print(" ".join(f"{r.get(c, ''):>12.3f}" if isinstance(r.get(c), float) else f"{r.get(c, '')!s:>12}"
-                       for c in cols))
+    print_rows(rows, cols)
 
 
 if __name__ == "__main__":

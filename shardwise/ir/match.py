@@ -492,6 +492,18 @@ MARKER_OPS = frozenset({aten.alias.default, aten.detach.default, aten.clone.defa
 RESHAPE_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 
 
+# Dim reorders (a transpose is a permute of two dims).
+PERMUTE_OPS = frozenset({aten.permute.default, aten.t.default, aten.transpose.int})
+# In-place ops that change only autograd's flag, never data (a program runs without autograd).
+AUTOGRAD_ONLY_INPLACE_OPS = frozenset({aten.detach_.default})
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """``node`` writes one of its inputs' data (its schema marks an input mutable)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.is_mutable and node.target not in AUTOGRAD_ONLY_INPLACE_OPS
+
+
 def is_reshape_or_marker(node: object) -> bool:
     """``node`` is a row-major reshape or a value-preserving marker (its value is its input's)."""
     return is_op(node, *RESHAPE_OPS, *MARKER_OPS)
@@ -583,32 +595,34 @@ def insert_call_after(prev: fx.Node, target: object, args: tuple, kwargs: dict |
     return node
 
 
+def _two_operands(equation: str) -> tuple[str, str, str] | None:
+    """``"a,b->out"`` without ellipses as ``(a, b, out)``, else None."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    return (ops[0], ops[1], out) if len(ops) == 2 else None
+
+
 def einsum_is_weight_grad(equation: str) -> bool:
     """``"bsn,bsk->nk"``: both operands share their leading (batch) dims, which are summed out,
     leaving their last dims side by side: a linear layer's weight gradient, one ``mm`` of the
     two flattened to 2-D (``a.flatten(0, -2).t() @ b.flatten(0, -2)``)."""
-    eq = equation.replace(" ", "")
-    if "->" not in eq or "." in eq:
+    parsed = _two_operands(equation)
+    if parsed is None:
         return False
-    lhs, out = eq.split("->")
-    ops = lhs.split(",")
-    if len(ops) != 2:
-        return False
-    a, b = ops
+    a, b, out = parsed
     return (len(a) == len(b) >= 2 and a[:-1] == b[:-1] and len(set(a + b[-1])) == len(a) + 1
             and out == a[-1] + b[-1])
 
 
 def einsum_is_matmul(equation: str) -> bool | None:
     """``"...k,kn->...n"`` -> False, ``"...k,nk->...n"`` -> True (b transposed), else None."""
-    eq = equation.replace(" ", "")
-    if "->" not in eq or "." in eq:
+    parsed = _two_operands(equation)
+    if parsed is None:
         return None
-    lhs, out = eq.split("->")
-    ops = lhs.split(",")
-    if len(ops) != 2:
-        return None
-    a, b = ops
+    a, b, out = parsed
     if len(b) != 2 or not a or len(set(a + out)) != len(a) + 1 or len(set(b)) != 2:
         return None
     k = a[-1]

@@ -44,6 +44,7 @@ from torch import fx
 
 from shardwise.ir.match import (
     MARKER_OPS,
+    PERMUTE_OPS,
     RESHAPE_OPS,
     Collective,
     CollectiveKind,
@@ -102,8 +103,7 @@ def _eligible(c: Collective) -> bool:
 
 # Ops that lay a parameter shard out for its gather (a transposed weight gathered along dim 1 is
 # transposed and copied contiguous first): pure, so they may run earlier.
-_LAYOUT_OPS = RESHAPE_OPS | MARKER_OPS | {aten.t.default, aten.transpose.int, aten.permute.default,
-                                          aten.contiguous.default}
+_LAYOUT_OPS = RESHAPE_OPS | MARKER_OPS | PERMUTE_OPS | {aten.contiguous.default}
 
 
 def _from_inputs(node: fx.Node) -> set[fx.Node] | None:

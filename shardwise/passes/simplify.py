@@ -31,6 +31,7 @@ segmentation pass's rule); the result becomes a buffer of the module.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 
@@ -38,12 +39,18 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from shardwise.ir.match import RESHAPE_OPS, CollectiveKind, collective, is_op
+from shardwise.ir.match import (
+    AUTOGRAD_ONLY_INPLACE_OPS,
+    PERMUTE_OPS,
+    RESHAPE_OPS,
+    CollectiveKind,
+    collective,
+    is_op,
+    writes_in_place,
+)
 
 aten = torch.ops.aten
-_PERMUTE_OPS = (aten.permute.default, aten.t.default, aten.transpose.int)
-# detach_ changes only autograd's flag, never data (the program runs without autograd).
-_ALIAS_OPS = (aten.detach.default, aten.detach_.default, aten.alias.default)
+_ALIAS_OPS = (aten.detach.default, aten.alias.default, *AUTOGRAD_ONLY_INPLACE_OPS)
 _LIKE_OPS = (aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default)
 # Small tables (rotary cos/sin, masks of a few rows) are worth keeping; a folded constant holds
 # memory for the whole run, so anything bigger is left to be recomputed.
@@ -128,12 +135,12 @@ def _fold_layout(graph: fx.Graph, counts: Counts, *, may_copy: bool) -> None:
             if _val(src) is not None and tuple(_val(src).shape) == tuple(val.shape):
                 _replace(node, src)
                 counts.reshapes += 1
-        elif is_op(node, *_PERMUTE_OPS):
+        elif is_op(node, *PERMUTE_OPS):
             order = _permutation(node)
             if order is None:
                 continue
             src = node.args[0]
-            if is_op(src, *_PERMUTE_OPS) and (inner := _permutation(src)) is not None:
+            if is_op(src, *PERMUTE_OPS) and (inner := _permutation(src)) is not None:
                 order = [inner[d] for d in order]
                 src = src.args[0]
                 node.target, node.args, node.kwargs = aten.permute.default, (src, order), {}
@@ -174,10 +181,7 @@ def _fold_constants(gm: fx.GraphModule, counts: Counts) -> None:
             continue
         if all(u in values and u.op == "call_function" for u in node.users):
             continue  # only its folded consumers read it
-        name = f"{_FOLDED_PREFIX}{folded}"
-        while hasattr(gm, name):
-            folded += 1
-            name = f"{_FOLDED_PREFIX}{folded}"
+        name = next(n for i in itertools.count() if not hasattr(gm, n := f"{_FOLDED_PREFIX}{i}"))
         gm.register_buffer(name, value)
         with graph.inserting_before(node):
             attr = graph.get_attr(name)
@@ -186,12 +190,6 @@ def _fold_constants(gm: fx.GraphModule, counts: Counts) -> None:
         folded += 1
     graph.eliminate_dead_code()
     counts.folded += folded
-
-
-def writes_in_place(node: fx.Node) -> bool:
-    """``node`` writes one of its inputs' data (detach_ changes only autograd's flag)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return schema is not None and schema.is_mutable and node.target not in _ALIAS_OPS
 
 
 def is_functional(graph: fx.Graph) -> bool:

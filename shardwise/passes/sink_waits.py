@@ -28,13 +28,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from shardwise.ir.match import RESHAPE_OPS, is_op, is_wait
-from shardwise.passes.simplify import writes_in_place
+from shardwise.ir.match import PERMUTE_OPS, RESHAPE_OPS, is_op, is_wait, writes_in_place
 
 aten = torch.ops.aten
 # Pure ops that only relabel their input's memory: moving them costs nothing.
-_LAYOUT_OPS = (*RESHAPE_OPS, aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.permute.default,
-               aten.squeeze.dims, aten.unsqueeze.default)
+_LAYOUT_OPS = (*RESHAPE_OPS, *PERMUTE_OPS, aten.slice.Tensor, aten.squeeze.dims, aten.unsqueeze.default)
 
 
 def _sink_point(node: fx.Node) -> fx.Node | None:
