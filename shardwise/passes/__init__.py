@@ -23,11 +23,13 @@ PASSES: dict[str, str] = {
     "simplify": "shardwise.passes.simplify",
     "early_loss_weight": "shardwise.passes.early_loss_weight",
     "sink_waits": "shardwise.passes.sink_waits",
+    "inplace_all_reduce": "shardwise.passes.inplace_all_reduce",
 }
 
 # Passes that change no value and only help a bound program run (fewer ops, collectives under
-# compute): ``parallelize`` applies them to every program it binds, after the user's passes.
-RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits")
+# compute, no copies): ``parallelize`` applies them to every program it binds, after the user's
+# passes. ``inplace_all_reduce`` makes the graph mutate a buffer, so it comes last.
+RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits", "inplace_all_reduce")
 
 
 def parse_passes(names: str | Sequence[str]) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
-"""The runtime passes (early_loss_weight, simplify, sink_waits): a per-rank program with its
-layout bookkeeping folded, its loss's token count reduced at the start and its waits sunk
-computes the same values (single process, and on gloo ranks against the unrewritten program),
+"""The runtime passes (early_loss_weight, simplify, sink_waits, inplace_all_reduce): a per-rank
+program with its layout bookkeeping folded, its loss's token count reduced at the start, its
+waits sunk and its private buffers reduced in place computes the same values (single process,
+and on gloo ranks against the unrewritten program),
 and what they must leave alone."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.ir.match import RESHAPE_OPS, is_wait
-from shardwise.passes import early_loss_weight, simplify, sink_waits
+from shardwise.passes import early_loss_weight, inplace_all_reduce, simplify, sink_waits
 from tests.helpers import SLOW_MACHINE_TIMEOUT_S
 from tests.passes.test_bucket import _programs
 
@@ -106,6 +107,10 @@ def test_a_training_step_simplified_and_sunk_computes_the_same_on_gloo():
     assert not is_wait(seed.args[0])
     for w in (n for n in gm.graph.nodes if is_wait(n)):
         assert w.next in w.users
+    # The gradient bucket and the token count are reduced in place; the loss (read by the
+    # backward's seed too) is not.
+    assert inplace_all_reduce.apply(gm) == 2
+    assert _count(gm, c10d.all_reduce.default) == 1
     results = run_many([plain, rewritten], check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
     assert results[1].max_rel_err <= 1e-5
     for got, want in zip(results[1].outputs, results[0].outputs, strict=True):
@@ -139,3 +144,31 @@ def test_the_token_count_stays_put_unless_it_is_a_plain_mean(change):
         args[3] = 2
     loss.args = tuple(args)
     assert early_loss_weight.find(prog.gm) == [] and early_loss_weight.apply(prog.gm) == 0
+
+
+def test_only_a_private_fresh_buffer_is_reduced_in_place():
+    """A computed buffer read only by its all_reduce is reduced in place; an input, a view, and a
+    buffer that something else reads keep the copying all_reduce."""
+    from torch import fx
+
+    from shardwise.passes import inplace_all_reduce
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4, 4)
+
+    def call(target, *args):
+        node = g.call_function(target, args)
+        node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        return node
+
+    private, shared = call(aten.mul.Tensor, x, 2.0), call(aten.mul.Tensor, x, 3.0)
+    base = call(aten.add.Tensor, x, 1.0)
+    view = call(aten.view.default, base, [16])
+    reduces = [g.call_function(c10d.all_reduce.default, (v, "sum", "0")) for v in (private, shared, x, view)]
+    waits = [g.call_function(c10d.wait_tensor.default, (r,)) for r in reduces]
+    g.output((*waits, shared))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert [m.buffer for m in inplace_all_reduce.find(gm)] == [private]
+    assert inplace_all_reduce.apply(gm) == 1
+    assert [r.target for r in reduces] == [c10d.all_reduce_.default] + [c10d.all_reduce.default] * 3
