@@ -6,7 +6,12 @@ and clipping on 2 gloo ranks, trained by
 - ``shardwise-fsdp`` / ``shardwise-ddp``: ``shardwise.train.parallelize`` with the fsdp / ddp plan
   and the ``bucket`` pass (gradient reductions grouped into 25 MiB buckets, like DDP's);
 - ``torch-fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every decoder layer and the root;
-- ``torch-ddp``: ``torch.nn.parallel.DistributedDataParallel``.
+- ``torch-ddp``: ``torch.nn.parallel.DistributedDataParallel``;
+
+and, with ``--compile``, each again compiled (``+compile``): shardwise's per-rank program through
+``torch.compile`` (``parallelize(compile=True)``); FSDP2 with every decoder layer compiled before
+``fully_shard``, as torchtitan does; DDP wrapped in ``torch.compile`` (its DDPOptimizer splits the
+graph at the gradient buckets). Compilation happens in the warmup steps.
 
 Each runs ``--warmup`` untimed steps then ``--steps`` timed ones and prints tokens/s (global batch
 tokens over the median step time of the slower rank, the best of ``--rounds`` rounds that
@@ -18,7 +23,8 @@ Memory: ``parallelize`` of ``--mem-model`` (default llama3-8b with 4 layers, bf1
 over 4 ranks with the fsdp plan, then ``init_weights``: each rank's peak RSS next to the model's
 size (no rank ever holds the whole model).
 
-    python benchmarks/train.py [--models llama-tiny:8x128,llama-small:8x256] [--layers 4] [--skip-memory]
+    python benchmarks/train.py [--models llama-tiny:8x128,llama-small:8x256] [--layers 4] [--compile]
+                               [--skip-memory]
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = ("shardwise-fsdp", "shardwise-ddp", "torch-fsdp2", "torch-ddp")
+COMPILED = "+compile"  # the suffix of a loop run through torch.compile
 # llama-tiny's step is per-op overhead (hidden 64); llama-small's is arithmetic (hidden 256).
 DEFAULT_CASES = ("llama-tiny:8x128", "llama-small:8x256")
 
@@ -84,27 +91,31 @@ def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) ->
     module, spec = _build(args)
     source = SyntheticSource(spec.vocab_size, 0)
     per = args.batch // world
-    if mode.startswith("shardwise"):
+    loop, compiled = mode.removesuffix(COMPILED), mode.endswith(COMPILED)
+    if loop.startswith("shardwise"):
         from shardwise.train import meta_inputs, parallelize
 
         example = meta_inputs(spec)
         # The bucket pass groups the gradient reductions, as DDP and FSDP2 do.
-        model = parallelize(module, "2", example, plan=mode.split("-")[1], passes=("bucket",),
-                            time_limit_s=60)
+        model = parallelize(module, "2", example, plan=loop.split("-")[1], passes=("bucket",),
+                            time_limit_s=60, compile=compiled)
 
         def step_inputs(step):
             return model.shard_inputs(*global_batch(source, step, args.batch, args.seq))
     else:
-        if mode == "torch-ddp":
+        if loop == "torch-ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             model = DistributedDataParallel(module)
+            model = torch.compile(model) if compiled else model
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (world,))
             for layer in module.layers:
+                if compiled:
+                    layer.compile()
                 fully_shard(layer, mesh=mesh)
             model = fully_shard(module, mesh=mesh)
 
@@ -124,7 +135,7 @@ def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) ->
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
     # DDP and FSDP2 losses are this rank's half of the batch: average them over the ranks.
-    if mode.startswith("torch"):
+    if loop.startswith("torch"):
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         loss /= world
@@ -153,22 +164,26 @@ def _memory_worker(rank: int, world: int, port: int, args, results) -> None:
 def speed(args) -> None:
     print(f"\n{args.model}, {args.layers} layers, batch {args.batch} x {args.seq}, fp32, 2 gloo ranks, "
           f"{args.steps} timed steps after {args.warmup}, best of {args.rounds} rounds")
-    print(f"{'loop':<16} {'step_ms':>9} {'tokens/s':>10} {'last_loss':>10}")
+    print(f"{'loop':<24} {'step_ms':>9} {'tokens/s':>10} {'last_loss':>10}")
     best: dict[str, float] = {}
     losses: dict[str, float] = {}
+    modes = [*MODES, *(m + COMPILED for m in MODES if args.compile)]
     # Rounds interleave the loops, so a load that drifts on a shared machine touches them all.
     for _ in range(args.rounds):
-        for mode in MODES:
+        for mode in modes:
             results = mp.Manager().dict()
             mp.spawn(_speed_worker, args=(2, _free_port(), mode, args, results), nprocs=2, join=True)
             step_s = max(results[(mode, r)][0] for r in range(2))
             best[mode] = min(best.get(mode, math.inf), step_s)
             losses[mode] = results[(mode, 0)][1]
     rows = {}
-    for mode in MODES:
+    for mode in modes:
         rows[mode] = args.batch * args.seq / best[mode]
-        print(f"{mode:<16} {best[mode] * 1e3:>9.1f} {rows[mode]:>10,.0f} {losses[mode]:>10.4f}")
-    for ours, theirs in (("shardwise-fsdp", "torch-fsdp2"), ("shardwise-ddp", "torch-ddp")):
+        print(f"{mode:<24} {best[mode] * 1e3:>9.1f} {rows[mode]:>10,.0f} {losses[mode]:>10.4f}")
+    pairs = [("shardwise-fsdp", "torch-fsdp2"), ("shardwise-ddp", "torch-ddp")]
+    if args.compile:
+        pairs += [(a + COMPILED, b + c) for a, b in pairs[:2] for c in ("", COMPILED)]
+    for ours, theirs in pairs:
         print(f"{ours} / {theirs}: {rows[ours] / rows[theirs]:.2f}x tokens/s")
 
 
@@ -200,6 +215,7 @@ def main() -> None:
     p.add_argument("--mem-layers", type=int, default=4)
     p.add_argument("--mem-batch", type=int, default=4)
     p.add_argument("--mem-seq", type=int, default=256)
+    p.add_argument("--compile", action="store_true", help="also run every loop through torch.compile")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     args = p.parse_args()

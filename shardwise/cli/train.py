@@ -45,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", default=None, help="continue from the newest checkpoint in this dir")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
     p.add_argument("--check", action="store_true", help="compare with the same steps in one fp32 process")
+    p.add_argument("--compile", action="store_true",
+                   help="run each rank's step through torch.compile (Inductor) instead of op by op")
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds the planner may solve")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a silent rank counts as hung")
     p.set_defaults(handler=run)
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
     check_batch(spec.batch, mesh)
     job = TrainJob(model=args.model, layers=args.layers, batch=spec.batch, seq=spec.seq, dtype=args.dtype,
                    mesh=mesh, plan=args.plan, passes=passes, source=None, options=opts,
-                   backend=args.backend, time_limit_s=args.time_limit, ac=args.ac)
+                   backend=args.backend, time_limit_s=args.time_limit, ac=args.ac, compile=args.compile)
     if opts.resume:
         path = checkpoint.latest(opts.resume)
         meta = checkpoint.read_meta(path)
@@ -181,6 +183,7 @@ def _run_torchrun(args: argparse.Namespace, job, t0: float) -> dict:
 def _finish(args: argparse.Namespace, job, res: dict, ref: list[float] | None, t0: float) -> dict:
     out = {"world_size": job.mesh.size, "mesh": list(job.mesh.shape), "mesh_names": list(job.mesh.names),
            "plan": args.plan if args.plan in PLAN_CHOICES else res["plan"], "model": args.model, "ac": job.ac,
+           "compile": job.compile,
            "data": job.source.describe(), **res, "wall_s": round(time.perf_counter() - t0, 3)}
     if ref is not None:
         out["reference_losses"] = ref

@@ -30,6 +30,9 @@ PASSES: dict[str, str] = {
 # compute, no copies): ``parallelize`` applies them to every program it binds, after the user's
 # passes. ``inplace_all_reduce`` makes the graph mutate a buffer, so it comes last.
 RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits", "inplace_all_reduce")
+# Before torch.compile: only the functional ones (Inductor places the waits itself, and Dynamo
+# traces functional collectives only).
+COMPILED_RUNTIME_PASSES = ("early_loss_weight", "simplify")
 
 
 def parse_passes(names: str | Sequence[str]) -> tuple[str, ...]:

@@ -44,6 +44,7 @@ class TrainJob:
     backend: str = "gloo"
     time_limit_s: float = 60.0
     ac: str = "none"
+    compile: bool = False
 
     def build(self, meta: bool, dtype: str | None = None):
         from shardwise.train.models import build_model
@@ -72,7 +73,7 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
     plan = Plan.from_json(job.plan) if isinstance(job.plan, dict) else job.plan
     pm = parallelize(model, job.mesh, meta_inputs(spec), plan=plan, passes=job.passes,
                      time_limit_s=job.time_limit_s, backend=job.backend, hardware=job.mesh.hardware,
-                     ac=job.ac)
+                     ac=job.ac, compile=job.compile)
     opts = job.options
     opt, sched = make_optimizer(pm.parameters(), opts)
     first = _start(job, pm, opt, sched, pm.init_weights)

@@ -45,7 +45,7 @@ from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.lower.spmd import Layout, SPMDProgram, lower_on
 from shardwise.mesh import Mesh, destroy_world
-from shardwise.passes import RUNTIME_PASSES, remat, run_passes
+from shardwise.passes import COMPILED_RUNTIME_PASSES, RUNTIME_PASSES, remat, run_passes
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan.plan import Plan
 from shardwise.runtime.launch import real_constants, retarget_device
@@ -204,7 +204,7 @@ class _Step(torch.autograd.Function):
     def forward(ctx, runner: _Program, inputs: tuple[torch.Tensor, ...], *params: DTensor) -> torch.Tensor:
         # The local shards themselves: to_local()'s autograd node is of no use inside a Function
         # (autograd sees only this Function) and costs a Python call per parameter each step.
-        outs = runner.program.gm(*[p._local_tensor for p in params], *inputs)
+        outs = runner.run(*[p._local_tensor for p in params], *inputs)
         loss = outs[0]
         ctx.grads = [None if spec is None else (g, spec)
                      for g, spec in zip(outs[1:], runner.grad_specs(outs[1:]), strict=True)]
@@ -235,6 +235,7 @@ class _Program:
     params: list[str]  # traced parameter names, in placeholder order
     inputs: list[Layout]
     grad_layouts: list[Layout | None]  # per parameter (training)
+    run: Callable  # runs the program: its graph module, or that module compiled
     _grad_specs: dict[tuple[int, torch.dtype], DTensorSpec] = field(default_factory=dict)
 
     def grad_specs(self, grads: Sequence[torch.Tensor | None]) -> list[DTensorSpec | None]:
@@ -265,7 +266,8 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, traced_model: nn.Module, device_mesh: DeviceMesh, mesh: Mesh,
                  traced: Traced, plan: Plan, *, passes: Sequence[str], prefix: str, time_limit_s: float,
-                 model_name: str, n_eval_inputs: int, ac: ACPolicy = ACPolicy.NONE) -> None:
+                 model_name: str, n_eval_inputs: int, ac: ACPolicy = ACPolicy.NONE,
+                 compile: bool = False) -> None:
         super().__init__()
         # The user's submodules under their own names (no wrapper prefix); top-level parameters
         # of the model itself are registered on this module below.
@@ -273,7 +275,8 @@ class ParallelModule(nn.Module):
             self.add_module(name, child)
         self._state = {"model": model, "traced_model": traced_model, "mesh": mesh, "traced": traced,
                        "prefix": prefix, "passes": tuple(passes), "time_limit_s": time_limit_s,
-                       "model_name": model_name, "n_eval_inputs": n_eval_inputs, "ac": ac}
+                       "model_name": model_name, "n_eval_inputs": n_eval_inputs, "ac": ac,
+                       "compile": compile}
         self.device_mesh = device_mesh
         self.plan = plan
         self._train_prog = self._bind(traced, plan, traced_model)
@@ -304,7 +307,11 @@ class ParallelModule(nn.Module):
         for name, value in real_constants(gm, module).items():
             setattr(gm, name, value)
         retarget_device(gm, device)
-        run_passes(gm, list(RUNTIME_PASSES))
+        compiled = self._state["compile"]
+        run_passes(gm, list(COMPILED_RUNTIME_PASSES if compiled else RUNTIME_PASSES))
+        # Inductor fuses the program's elementwise chains into kernels and schedules its waits;
+        # it compiles on the first call (then from its cache on disk).
+        run = torch.compile(gm, fullgraph=True, dynamic=False) if compiled else gm
         lays = program.param_layouts()
         names = list(traced.params)
         for k in names:
@@ -322,7 +329,7 @@ class ParallelModule(nn.Module):
                     raise UserError(f"the plan delivers the gradient of {k} in another placement than "
                                     "the parameter; plan it again.")
                 grad_layouts.append(lay)
-        return _Program(program, self.device_mesh, module, names, inputs, grad_layouts)
+        return _Program(program, self.device_mesh, module, names, inputs, grad_layouts, run)
 
     def _eval_program(self) -> _Program:
         if self._eval_prog is None:
@@ -428,7 +435,7 @@ class ParallelModule(nn.Module):
             prog = self._train_prog
             return _Step.apply(prog, tuple(local_inputs), *prog.parameters())
         prog = self._eval_program()
-        outs = prog.program.gm(*[p.to_local() for p in prog.parameters()], *local_inputs)
+        outs = prog.run(*[p.to_local() for p in prog.parameters()], *local_inputs)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         res = [lay.to_dtensor(o, self.device_mesh) if lay is not None else o
                for o, lay in zip(outs, prog.program.outputs, strict=True)]
@@ -498,7 +505,8 @@ def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
                 example_inputs: Sequence[torch.Tensor], *, plan: str | Plan | Path = "auto",
                 loss_fn: Callable | None = None, passes: Sequence[str] = (), time_limit_s: float = 60.0,
                 mesh_names: Sequence[str] | None = None, backend: str = "gloo", hardware: str = "h100",
-                n_eval_inputs: int | None = None, ac: ACPolicy | str = "none") -> ParallelModule:
+                n_eval_inputs: int | None = None, ac: ACPolicy | str = "none",
+                compile: bool = False) -> ParallelModule:
     """Plan, lower and bind ``model`` on ``mesh``; see the module docstring.
 
     ``model``: an ``nn.Module`` whose forward returns the scalar loss (or whose outputs
@@ -508,7 +516,8 @@ def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
     ``n_eval_inputs``: how many leading inputs the inference program takes (default: all but the
     last, the labels, when ``loss_fn`` is None; all of them otherwise). ``ac``: activation
     checkpointing of the training program (``none``, ``selective``, ``full``: the remat pass,
-    after ``passes``).
+    after ``passes``). ``compile``: run each per-rank program through ``torch.compile``
+    (Inductor) instead of op by op.
     """
     from shardwise.passes import parse_passes
     from shardwise.plan.baselines import BASELINES
@@ -548,4 +557,4 @@ def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
         n_eval_inputs = n_in - 1 if loss_fn is None and n_in > 1 else n_in
     return ParallelModule(model, traced_model, device_mesh, abstract, traced, chosen, passes=passes,
                           prefix=prefix, time_limit_s=time_limit_s, model_name=model_name,
-                          n_eval_inputs=n_eval_inputs, ac=policy)
+                          n_eval_inputs=n_eval_inputs, ac=policy, compile=compile)

@@ -107,6 +107,17 @@ def test_train_byte_level_text_on_the_auto_plan_with_full_activation_checkpointi
     assert res["max_rel_diff"] <= 1e-4 and res["losses"][-1] < res["losses"][0]
 
 
+@pytest.mark.slow
+def test_train_compiled_matches_one_process():
+    """Each rank's step through torch.compile (Inductor's fused kernels, its own wait placement)
+    trains the same curve as the reference, on the fsdp plan with its gathers and reductions
+    bucketed."""
+    res = train("--model", "llama-tiny", "--layers", "1", "--mesh", "2", "--plan", "fsdp",
+                "--passes", "bucket", "--steps", "4", "--check", "--compile")
+    assert res["compile"] is True and res["plan"] == "fsdp"
+    assert res["max_rel_diff"] <= 1e-4 and res["losses"][-1] < res["losses"][0]
+
+
 def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
