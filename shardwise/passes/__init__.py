@@ -30,9 +30,10 @@ PASSES: dict[str, str] = {
 # compute, no copies): ``parallelize`` applies them to every program it binds, after the user's
 # passes. ``inplace_all_reduce`` makes the graph mutate a buffer, so it comes last.
 RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits", "inplace_all_reduce")
-# Before torch.compile: only the functional ones (Inductor places the waits itself, and Dynamo
-# traces functional collectives only).
-COMPILED_RUNTIME_PASSES = ("early_loss_weight", "simplify")
+# Before torch.compile: the ones that keep the graph functional (Dynamo traces functional
+# collectives only). Inductor keeps the order of the collectives and waits it is given, so the
+# waits are sunk first.
+COMPILED_RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits")
 
 
 def parse_passes(names: str | Sequence[str]) -> tuple[str, ...]:

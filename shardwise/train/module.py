@@ -309,8 +309,8 @@ class ParallelModule(nn.Module):
         retarget_device(gm, device)
         compiled = self._state["compile"]
         run_passes(gm, list(COMPILED_RUNTIME_PASSES if compiled else RUNTIME_PASSES))
-        # Inductor fuses the program's elementwise chains into kernels and schedules its waits;
-        # it compiles on the first call (then from its cache on disk).
+        # Inductor fuses the program's elementwise chains into kernels; it compiles on the first
+        # call (then from its cache on disk).
         run = torch.compile(gm, fullgraph=True, dynamic=False) if compiled else gm
         lays = program.param_layouts()
         names = list(traced.params)
