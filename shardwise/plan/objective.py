@@ -32,7 +32,7 @@ The objective is ``optimizer + sum_b T[b]`` with
                                              collectives queue behind the hidden ones.
 
 The solve is lazy: the first model charges every block its first term (compute-bound, a lower
-bound of the objective, as sparse as the serial one); ``refine`` then charges the blocks whose
+bound of the objective, as sparse as the serial one); ``solve`` then charges the blocks whose
 stream outlasts their compute in the solution their serial sum (an upper bound of their
 maximum) and solves again from the solution. The exact rows (T[b] >= each load) are several
 times slower to solve, and HiGHS 1.16's presolve returns solutions its own bound contradicts on
@@ -54,7 +54,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import highspy
 import numpy as np
 from torch import fx
 
@@ -70,8 +69,8 @@ from shardwise.ir.trace import Phase, Traced
 from shardwise.passes.remat import ACPolicy, recompute_plan
 from shardwise.plan.cluster import HEAD, TAIL, Clustering, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
+from shardwise.plan.solver import MIP_REL_GAP, Solved, solve_model
 from shardwise.plan.strategies import NodeStrategies
-from shardwise.stdio import native_stdout_silenced
 
 # The ILP's edge argument indices of the sinks (``ilp.GRAD_SINK``, ``ilp.LOSS_SINK``; not
 # imported: ilp.py imports nothing of this module and this module nothing of it).
@@ -79,8 +78,6 @@ GRAD_SINK = -1
 LOSS_SINK = -2
 
 log = logging.getLogger(__name__)
-# HiGHS's primal_solution_status when it holds a feasible point (kSolutionStatusFeasible).
-SOLUTION_FEASIBLE = 2
 # A block's hidden communication counts as outlasting its critical path beyond this relative
 # margin (float rounding of the sums).
 REFINE_TOL = 1e-9
@@ -110,10 +107,8 @@ class ScheduleObjective:
     options: StepOptions
     terms: dict[Block, dict[str, dict[int, float]]] = field(default_factory=dict)
     serial: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    # Blocks whose hidden communication is charged too (``refine``).
+    # Blocks whose hidden communication is charged too (``solve``).
     serial_blocks: set[Block] = field(default_factory=set)
-    # A lower bound of the objective (seconds): the first solve's (``refine``).
-    lower_bound_s: float = 0.0
 
     def __post_init__(self) -> None:
         gm = self.traced.gm
@@ -227,7 +222,7 @@ class ScheduleObjective:
     def finish(self, m, unit_s: float) -> None:
         """Put the serial terms and every block's compute and exposed terms in the cost of the
         model ``m`` (``ilp._Model``, seconds per unit of each column): the objective with every
-        block compute-bound, a lower bound of the schedule objective. ``refine`` adds the rows
+        block compute-bound, a lower bound of the schedule objective. ``solve`` adds the rows
         of the blocks the solution shows are not."""
         self.unit_s = unit_s
         for col, t in self.serial.items():
@@ -260,40 +255,46 @@ class ScheduleObjective:
         serial = sum(t * float(val[c]) for c, t in self.serial.items())
         return float(serial + sum(max(crit, hid) for crit, hid in self._loads(val).values()))
 
-    def refine(self, h: highspy.Highs, m, to_highs, time_limit_s: float) -> highspy.Highs:
-        """While the solver's solution has a block whose hidden communication outlasts its
-        compute and exposed communication, charge that block's hidden communication too (its
-        serial sum, an upper bound of its maximum) and solve again from the solution, within
-        ``time_limit_s`` in all, at most ``REFINE_ROUNDS`` times; returns the solver that solved
-        last. (The exact rows, T[b] >= each load, make the MIP several times slower, and
-        HiGHS 1.16's presolve then returns solutions its own bound contradicts.)"""
+    def solve(self, m, unit_s: float, time_limit_s: float, start: np.ndarray | None,
+              pricing: bool = True) -> Solved:
+        """Solve the model ``m`` (``finish``ed) lazily: first with every block compute-bound (a
+        relaxation: its bound is one of the schedule objective); then, while the solution has a
+        block whose hidden communication outlasts its compute and exposed communication, charge
+        that block's hidden communication too (its serial sum, an upper bound of its maximum)
+        and solve again from the solution, within ``time_limit_s`` in all, at most
+        ``REFINE_ROUNDS`` times. The objective returned is the maximum form at the point."""
         t0 = time.perf_counter()
+        got = solve_model(m, unit_s, time_limit_s, start, pricing=pricing)
         # The first solve's model is a relaxation of the schedule objective: its bound is one.
-        self.lower_bound_s = max(0.0, h.getInfo().mip_dual_bound * self.unit_s)
+        bound = got.bound
         for _ in range(REFINE_ROUNDS):
-            if h.getInfo().primal_solution_status != SOLUTION_FEASIBLE:
-                return h
-            sol = np.asarray(h.getSolution().col_value)
+            if got.solution is None:
+                break
+            sol = got.solution
             new = [b for b, (crit, hid) in self._loads(sol).items()
                    if b not in self.serial_blocks and hid > crit * (1.0 + REFINE_TOL)]
             left = time_limit_s - (time.perf_counter() - t0)
             log.debug("schedule objective: %d blocks outlast their compute after %.2f s", len(new),
                       time.perf_counter() - t0)
             if not new or left <= 0.0:
-                return h
+                break
             for b in new:
                 self.serial_blocks.add(b)
                 for col, t in self.terms[b].get(Load.HIDDEN, {}).items():
                     m.cost[col] += t
-            start = np.where(m.integer, np.round(sol), sol)
-            # A fresh solver: HiGHS 1.16 handed a start after a solve of the model it replaces
-            # reports the old optimum's objective with the start as its solution.
-            options = h.getOptions()
-            with native_stdout_silenced():
-                h = highspy.Highs()
-            h.passOptions(options)
-            h.passModel(to_highs(m))
-            h.setSolution(len(start), np.arange(len(start), dtype=np.int32), start)
-            h.setOptionValue("time_limit", float(left))
-            h.run()
-        return h
+            again = solve_model(m, unit_s, left, np.where(m.integer, np.round(sol), sol), pricing=pricing)
+            if again.solution is not None:
+                got = again
+        return self._exact(got, bound)
+
+    def _exact(self, got: Solved, bound: float) -> Solved:
+        """``got`` with the schedule objective at its point and ``bound``: 'optimal' only where
+        the bound proves it."""
+        if got.solution is None:
+            got.bound = bound
+            return got
+        got.objective = self.value(got.solution) / self.unit_s
+        got.bound = min(bound, got.objective)
+        if got.objective - got.bound > MIP_REL_GAP * got.objective:
+            got.status = "feasible"  # optimal for the refinement's charges, not proven for the maximum
+        return got

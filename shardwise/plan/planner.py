@@ -155,7 +155,7 @@ def make_plan(
         # The hand plans that are points of this ILP (they fit and keep the constraints).
         "admissible": [p.name for p, _ in points],
         "ilp": {"variables": res.n_vars, "constraints": res.n_rows, "clusters": len(clus.clusters),
-                "representatives": len(clus.representatives), "nodes": len(clus.rep)},
+                "representatives": len(clus.representatives), "nodes": len(clus.rep), **res.stats},
     }
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
