@@ -71,7 +71,7 @@ RSS_UNIT = 1024  # ru_maxrss is in KiB on Linux
 
 
 def measure_one(model: str, layers: int, batch: int, seq: int, mode: str, time_limit_s: float,
-                pricing: bool = True) -> dict:
+                pricing: bool = True, rel_gap: float | None = None) -> dict:
     """One case in one mode: ``cold`` solves the auto ILP alone; ``warm`` first prices the hand
     plans and starts the solver from the cheapest (what ``shardwise plan`` does), its wall time
     including the baselines."""
@@ -95,10 +95,11 @@ def measure_one(model: str, layers: int, batch: int, seq: int, mode: str, time_l
         import shardwise.plan.planner as planner
 
         planner.solve = functools.partial(planner.solve, pricing=False)
+    gap = {} if rel_gap is None else {"rel_gap": rel_gap}
     if mode == "warm":
-        plan, _ = plan_with_baselines(traced, mesh, time_limit_s=time_limit_s)
+        plan, _ = plan_with_baselines(traced, mesh, time_limit_s=time_limit_s, **gap)
     else:
-        plan = make_plan(traced, mesh, time_limit_s=time_limit_s)
+        plan = make_plan(traced, mesh, time_limit_s=time_limit_s, **gap)
     plan_s = time.perf_counter() - t1
     t = plan.info["timings"]
     return {
@@ -136,12 +137,14 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0, help="solver time limit per solve, seconds")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each case (timings are noisy)")
     ap.add_argument("--no-pricing", action="store_true", help="hand HiGHS the whole model at once")
+    ap.add_argument("--gap", type=float, default=None,
+                    help="stop at a plan within this relative gap of the bound (default: the optimum)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="cold", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(measure_one(*CASES[args.one][:4], args.mode, args.time_limit,
-                                     pricing=not args.no_pricing)))
+                                     pricing=not args.no_pricing, rel_gap=args.gap)))
         return
     rows = []
     for key in args.cases.split(","):
@@ -149,8 +152,9 @@ def main() -> None:
             for _ in range(args.repeat):
                 cmd = [sys.executable, __file__, "--one", key, "--mode", mode,
                        "--time-limit", str(args.time_limit)]
-                out = subprocess.run(cmd + (["--no-pricing"] if args.no_pricing else []),
-                                     capture_output=True, text=True)
+                cmd += ["--no-pricing"] if args.no_pricing else []
+                cmd += ["--gap", str(args.gap)] if args.gap is not None else []
+                out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode != 0:
                     print(f"{key} {mode}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
                     continue

@@ -66,7 +66,7 @@ from shardwise.plan.cluster import Clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.placement import Placements
 from shardwise.plan.plan import tensor_args
-from shardwise.plan.solver import Model, solve_model
+from shardwise.plan.solver import MIP_REL_GAP, Model, complete, solve_model, violated_rows
 from shardwise.plan.strategies import NodeStrategies, Strategy, intern
 
 if TYPE_CHECKING:
@@ -84,8 +84,6 @@ MEMORY_UNIT_BYTES = 2**30
 # the rest are priced in. On llama3-8b over 8x8, 6 keeps about half of the transport columns,
 # and the optimum needs few of the others: its restricted LP already has the full LP's value.
 CORE_PER_LINE = 6
-# HiGHS's default primal feasibility tolerance (option primal_feasibility_tolerance).
-FEASIBILITY_TOL = 1e-7
 
 
 # Optimizer state per parameter element, in bytes: Adam/AdamW keep two fp32 moments, SGD with
@@ -183,13 +181,15 @@ def _strategy_vars(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[lis
 def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
           *, memory_budget: float | None = None, memory: MemoryModel | None = None,
           time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None,
-          schedule: ScheduleObjective | None = None, pricing: bool = True) -> IlpResult:
+          schedule: ScheduleObjective | None = None, pricing: bool = True,
+          rel_gap: float = MIP_REL_GAP) -> IlpResult:
     """Solve the placement ILP. ``start`` (deciding representative -> strategy index, e.g. a
     hand plan's choices) is handed to HiGHS as its first incumbent: the solver completes the
     continuous edge variables and, if the point is feasible, never returns anything worse, so
     a time limit costs only optimality. ``schedule``: the schedule objective
     (``plan/objective.py``) in place of the serial sum. ``pricing=False``: HiGHS gets the whole
-    model at once (``solver.py``)."""
+    model at once (``solver.py``). ``rel_gap``: the solver may stop at a plan within this
+    relative gap of its bound (the default: the optimum)."""
     t0 = time.perf_counter()
     memory = memory or MemoryModel()
     m = _Model(objective=schedule)
@@ -279,16 +279,16 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     start_val, start_s = None, None
     if start is not None:
         start_val = _start_vector(m, deciding, start, one)
-        bad = _violated_rows(m, start_val)
+        bad = violated_rows(m, start_val)
         if bad:
             log.warning("the start point breaks %d rows of the placement ILP; solving without it", bad)
             start_val = None
         else:
             start_s = float(np.dot(m.cost, start_val)) if schedule is None else schedule.value(start_val)
     if schedule is None:
-        got = solve_model(m, OBJECTIVE_UNIT_S, time_limit_s, start_val, pricing=pricing)
+        got = solve_model(m, OBJECTIVE_UNIT_S, time_limit_s, start_val, pricing=pricing, rel_gap=rel_gap)
     else:
-        got = schedule.solve(m, OBJECTIVE_UNIT_S, time_limit_s, start_val, pricing=pricing)
+        got = schedule.solve(m, OBJECTIVE_UNIT_S, time_limit_s, start_val, pricing=pricing, rel_gap=rel_gap)
     solve_s = time.perf_counter() - t1
     nv, nr = len(m.cost), len(m.row_lb)
     stats = {"pricing_rounds": got.pricing_rounds, "priced_in": got.priced_in, "columns_solved": got.columns,
@@ -322,20 +322,7 @@ def _start_vector(m: Model, deciding: dict[fx.Node, list[int]], start: dict[fx.N
     for r, vs in deciding.items():
         if r in start:
             val[vs[start[r]]] = 1.0
-    for col, (src, dst) in m.ends.items():
-        val[col] = float(val[src].sum() > 0.5 and val[dst].sum() > 0.5)
-    for t, rows in m.t_rows.items():
-        val[t] = max(0.0, *(sum(c * val[e] for e, c in terms.items()) for terms in rows))
-    return val
-
-
-def _violated_rows(m: Model, val: np.ndarray) -> int:
-    """How many rows ``val`` breaks (beyond HiGHS's feasibility tolerance)."""
-    activity = np.zeros(len(m.row_lb))
-    rows = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
-    np.add.at(activity, rows, np.array(m.value) * val[np.array(m.index, dtype=np.int64)])
-    lo, hi = np.array(m.row_lb), np.array(m.row_ub)
-    return int(((activity < lo - FEASIBILITY_TOL) | (activity > hi + FEASIBILITY_TOL)).sum())
+    return complete(m, val)
 
 
 def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Placements, list[int]],

@@ -41,6 +41,8 @@ MIP_REL_GAP = 1e-7
 # HiGHS's default dual feasibility tolerance (option dual_feasibility_tolerance): a reduced
 # cost above -this is non-negative to the solver, so pricing uses the same threshold.
 DUAL_FEASIBILITY_TOL = 1e-7
+# HiGHS's default primal feasibility tolerance (option primal_feasibility_tolerance).
+FEASIBILITY_TOL = 1e-7
 # HiGHS's default MIP feasibility tolerance (option mip_feasibility_tolerance): an integer
 # column of the LP solution this close to 0 or 1 is integral.
 INTEGRALITY_TOL = 1e-6
@@ -117,7 +119,7 @@ class Solved:
 
 
 def solve_model(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None,
-                pricing: bool = True) -> Solved:
+                pricing: bool = True, rel_gap: float = MIP_REL_GAP) -> Solved:
     """Solve ``m`` (costs divided by ``unit`` for the solver), from the complete feasible point
     ``start`` if given; ``pricing=False`` hands HiGHS the whole MIP at once."""
     deadline = time.perf_counter() + time_limit_s
@@ -131,17 +133,17 @@ def solve_model(m: Model, unit: float, time_limit_s: float, start: np.ndarray | 
             return done
         if found is not None and (start is None or _dearer(m, start, found)):
             start = found  # an integral restricted-LP optimum: a plan, and often the best one
-    h = _highs(max(0.0, deadline - time.perf_counter()))
+    h = _highs(max(0.0, deadline - time.perf_counter()), rel_gap)
     h.passModel(_highs_lp(m, unit))
     return _run_mip(h, start, len(m.cost))
 
 
-def _highs(time_limit_s: float) -> highspy.Highs:
+def _highs(time_limit_s: float, rel_gap: float = MIP_REL_GAP) -> highspy.Highs:
     with native_stdout_silenced():  # HiGHS prints its banner on stdout as it is built
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
-    h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
+    h.setOptionValue("mip_rel_gap", rel_gap)
     h.setOptionValue("threads", 1)
     return h
 
@@ -255,3 +257,152 @@ def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
     label = "optimal" if status == highspy.HighsModelStatus.kOptimal else "feasible"
     return Solved(label, float(info.objective_function_value), bound,
                   np.asarray(h.getSolution().col_value), columns=n)
+
+
+# ---- by the LP bound: interior point, rounding, a neighbourhood, reduced-cost fixing ---------
+
+# Share of the time limit the interior-point LP may take: on llama3-8b over 8x8 it needs 12-15 s
+# of one core (more on a loaded machine, the limit being wall time), and without its bound the
+# whole MIP rarely improves on the start in what is left.
+LP_BOUND_SHARE = 0.9
+# A one-hot group whose LP value is at least this is kept at its LP choice in the neighbourhood
+# MIP (RINS, Danna et al. 2005: fix what the LP relaxation already decides).
+RINS_FIX = 0.99
+
+
+def complete(m: Model, val: np.ndarray) -> np.ndarray:
+    """``val`` with its integer columns (and the constant) set, completed into a point of the
+    model: each edge variable 1 where both its ends are chosen, each move or block variable at
+    the largest of its rows (``Model.ends``, ``Model.t_rows``, in the order they were added)."""
+    val = val.copy()
+    for col, (src, dst) in m.ends.items():
+        val[col] = float(val[src].sum() > 0.5 and val[dst].sum() > 0.5)
+    for t, rows in m.t_rows.items():
+        val[t] = max(0.0, *(sum(c * val[e] for e, c in terms.items()) for terms in rows))
+    return val
+
+
+def violated_rows(m: Model, val: np.ndarray) -> int:
+    """How many rows ``val`` breaks (beyond HiGHS's feasibility tolerance)."""
+    activity = np.zeros(len(m.row_lb))
+    rows = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
+    np.add.at(activity, rows, np.array(m.value) * val[np.array(m.index, dtype=np.int64)])
+    lo, hi = np.array(m.row_lb), np.array(m.row_ub)
+    return int(((activity < lo - FEASIBILITY_TOL) | (activity > hi + FEASIBILITY_TOL)).sum())
+
+
+def _one_hot_groups(m: Model) -> list[np.ndarray]:
+    """The columns of each row sum_s x[r,s] = 1 (binary columns, coefficients 1)."""
+    groups = []
+    bounds = m.starts + [len(m.index)]
+    for r, (lo, hi) in enumerate(zip(m.row_lb, m.row_ub, strict=True)):
+        if lo == hi == 1.0:
+            cols = m.index[bounds[r]:bounds[r + 1]]
+            if all(m.integer[c] for c in cols) and all(v == 1.0 for v in m.value[bounds[r]:bounds[r + 1]]):
+                groups.append(np.array(cols, dtype=np.int64))
+    return groups
+
+
+@dataclass
+class _LpBound:
+    bound: float  # a lower bound on the MIP (solver units)
+    primal: np.ndarray  # the LP's (interior) point
+    reduced: np.ndarray  # the reduced costs the bound was taken with
+
+
+def _lp_bound(m: Model, unit: float, time_limit_s: float) -> _LpBound | None:
+    """The LP relaxation by HiGHS's interior point method, without crossover, and a bound
+    that holds whatever the duals' accuracy: for row duals y, every point costs at least
+    L(y) = sum_i y_i * (lo_i if y_i > 0 else hi_i) + sum_j min(rc_j * lb_j, rc_j * ub_j),
+    rc = c - A'y (Lagrangian duality), with a move or block variable's upper bound the largest
+    value its rows can force. None if the LP does not finish in time."""
+    lp = _highs_lp(m, unit)
+    lp.integrality_ = []
+    h = _highs(time_limit_s)
+    h.setOptionValue("solver", "ipm")
+    h.setOptionValue("run_crossover", "off")
+    h.passModel(lp)
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    y = np.asarray(h.getSolution().row_dual, dtype=np.float64).copy()
+    lo, hi = np.asarray(lp.row_lower_), np.asarray(lp.row_upper_)
+    y[(y > 0.0) & ~np.isfinite(lo)] = 0.0
+    y[(y < 0.0) & ~np.isfinite(hi)] = 0.0
+    row_of = np.repeat(np.arange(len(lo)), np.diff(np.array(m.starts + [len(m.index)])))
+    index, value = np.array(m.index, dtype=np.int64), np.array(m.value)
+    cost = np.asarray(lp.col_cost_)
+    reduced = cost - np.bincount(index, weights=value * y[row_of], minlength=len(cost))
+    lb, ub = np.array(m.lb), np.array(m.ub)
+    for t, rows in m.t_rows.items():  # t <= the largest sum its rows can force
+        ub[t] = max(sum(max(0.0, c) * ub[e] for e, c in terms.items()) for terms in rows)
+    rows_part = np.where(y > 0.0, y * np.where(np.isfinite(lo), lo, 0.0),
+                         y * np.where(np.isfinite(hi), hi, 0.0))
+    cols_part = np.where(reduced >= 0.0, reduced * lb, reduced * ub)
+    if not np.all(np.isfinite(cols_part)):
+        return None
+    return _LpBound(float(rows_part.sum() + cols_part.sum()), np.asarray(h.getSolution().col_value), reduced)
+
+
+def _mip(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None, upper: np.ndarray,
+         rel_gap: float = MIP_REL_GAP) -> Solved:
+    """HiGHS's MIP on ``m`` with column upper bounds ``upper`` (0 fixes a column out)."""
+    lp = _highs_lp(m, unit)
+    lp.col_upper_ = upper
+    h = _highs(time_limit_s, rel_gap)
+    h.passModel(lp)
+    return _run_mip(h, start, len(m.cost))
+
+
+def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None,
+                      rel_gap: float = MIP_REL_GAP) -> Solved:
+    """Solve ``m`` exactly in four steps, for models whose LP is slow by simplex (the schedule
+    objective's max rows) but whose LP optimum is nearly integral:
+
+    1. the LP relaxation by interior point (``_lp_bound``): a lower bound LB, the LP point;
+    2. rounding: each one-hot group to its largest LP value, completed (``complete``);
+    3. a neighbourhood MIP (RINS): the groups the LP decides (>= RINS_FIX) fixed, the rest
+       free, from the rounded point; the cheaper of its plan and ``start`` is the incumbent UB;
+    4. reduced-cost fixing: a binary or edge column with rc_j > UB - LB is 0 in every plan
+       cheaper than UB (every point costs >= LB + rc_j when it is 1; an edge variable is 0 or
+       1 at integral x), so it is fixed out, and HiGHS's MIP solves the rest from UB.
+
+    The optimum is the whole model's; the bound is the larger of LB and the last MIP's. It stops
+    early where the incumbent is within ``rel_gap`` of LB (step 3), or HiGHS of its bound. If
+    the LP does not finish within LP_BOUND_SHARE of the time, the whole MIP gets the rest."""
+    deadline = time.perf_counter() + time_limit_s
+    ub = np.array(m.ub, dtype=np.float64)
+    lp = _lp_bound(m, unit, LP_BOUND_SHARE * time_limit_s)
+    if lp is None:
+        return _mip(m, unit, max(0.0, deadline - time.perf_counter()), start, ub, rel_gap)
+    cost = np.array(m.cost) / unit
+    integer = np.array(m.integer, dtype=bool)
+    rounded = np.where(integer, 0.0, np.asarray(m.lb, dtype=np.float64))
+    rins_ub = ub.copy()
+    for cols in _one_hot_groups(m):
+        best = cols[int(np.argmax(lp.primal[cols]))]
+        rounded[best] = 1.0
+        if lp.primal[best] >= RINS_FIX:
+            rins_ub[cols] = 0.0
+            rins_ub[best] = 1.0
+    rounded = complete(m, rounded)
+    incumbent = start
+    if not violated_rows(m, rounded):
+        rins = _mip(m, unit, max(0.0, deadline - time.perf_counter()), rounded, rins_ub)
+        if rins.solution is not None and (incumbent is None or rins.objective < float(cost @ incumbent)):
+            incumbent = complete(m, np.where(integer, np.round(rins.solution), rins.solution))
+    upper = float(cost @ incumbent) if incumbent is not None else math.inf
+    if upper - lp.bound <= rel_gap * upper and rel_gap > MIP_REL_GAP:  # close enough: no MIP
+        return Solved("feasible", upper, lp.bound, incumbent, columns=int((rins_ub > 0.0).sum()))
+    fixable = integer.copy()
+    fixable[list(m.ends)] = True
+    fixed = fixable & (lp.reduced > upper - lp.bound + DUAL_FEASIBILITY_TOL) & (np.asarray(m.lb) == 0.0)
+    if incumbent is not None:
+        fixed &= incumbent <= 0.5  # the incumbent stays a point
+    ub[fixed] = 0.0
+    done = _mip(m, unit, max(0.0, deadline - time.perf_counter()), incumbent, ub, rel_gap)
+    done.bound = max(done.bound, lp.bound)
+    done.columns = int((~fixed).sum())
+    if done.solution is None and incumbent is not None:  # out of time: the incumbent stands
+        done = Solved("feasible", upper, lp.bound, incumbent, columns=done.columns)
+    return done

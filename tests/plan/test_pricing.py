@@ -10,14 +10,12 @@ import numpy as np
 import pytest
 
 from shardwise.cost.hardware import get_hardware
-from shardwise.cost.step import torchtitan_options
 from shardwise.ir.trace import trace_model
 from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import ilp
 from shardwise.plan.cluster import cluster
 from shardwise.plan.costs import PlannerCosts
-from shardwise.plan.objective import ScheduleObjective
 from shardwise.plan.planner import _placeholder_filter, default_budget
 from shardwise.plan.strategies import enumerate_strategies
 
@@ -97,24 +95,3 @@ def test_core_pairs_keep_free_moves_and_the_cheapest_per_line(monkeypatch):
     kept = {tuple(ij) for ij in np.argwhere(ilp._core_pairs(times)).tolist()}
     # free: (0,0), (1,1); cheapest out of row 2: (2,2); into column 2: (1,2); into column 3: (0,3)
     assert kept == {(0, 0), (1, 1), (2, 2), (1, 2), (0, 3)}
-
-
-@pytest.mark.parametrize("case", ["llama-tiny 4", "hf qwen2 2x2"])
-def test_pricing_is_exact_under_the_schedule_objective(case, monkeypatch):
-    """The schedule objective (``plan/objective.py``) solves through the same restricted LP and
-    pricing: the plan, its objective and the bound are the whole model's."""
-    monkeypatch.setattr(ilp, "CORE_PER_LINE", CORE)
-    model, mesh, shape = CASES[case]
-    tr, ns, clus, costs = _problem(model, mesh, **shape)
-
-    def schedule():
-        return ScheduleObjective(tr, clus, costs, torchtitan_options(tr))
-
-    kw = {"memory_budget": default_budget(mesh), "time_limit_s": TIME_LIMIT_S}
-    priced = ilp.solve(tr, ns, clus, costs, schedule=schedule(), **kw)
-    whole = ilp.solve(tr, ns, clus, costs, schedule=schedule(), pricing=False, **kw)
-    assert priced.status == whole.status and priced.status in ("optimal", "feasible")
-    assert priced.objective_s == pytest.approx(whole.objective_s, rel=REL)
-    assert priced.bound_s == pytest.approx(whole.bound_s, rel=REL)
-    assert priced.stats["optional"] > 0 and priced.stats["pricing_rounds"] > 0
-    assert whole.stats["pricing_rounds"] == 0
