@@ -26,6 +26,7 @@ point), the MIP over every column gets the rest of the time, as if nothing had b
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ import highspy
 import numpy as np
 
 from shardwise.stdio import native_stdout_silenced
+
+log = logging.getLogger(__name__)
 
 # Relative MIP gap at which HiGHS may stop and report "optimal": tighter than the 1e-6 to which
 # plans are compared, loose enough that the solver does not chase rounding noise.
@@ -268,6 +271,8 @@ LP_BOUND_SHARE = 0.9
 # A one-hot group whose LP value is at least this is kept at its LP choice in the neighbourhood
 # MIP (RINS, Danna et al. 2005: fix what the LP relaxation already decides).
 RINS_FIX = 0.99
+# Share of the time left that the neighbourhood MIP may take (on llama3-8b it needs < 1 s).
+RINS_SHARE = 0.5
 
 
 def complete(m: Model, val: np.ndarray) -> np.ndarray:
@@ -362,7 +367,8 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     1. the LP relaxation by interior point (``_lp_bound``): a lower bound LB, the LP point;
     2. rounding: each one-hot group to its largest LP value, completed (``complete``);
     3. a neighbourhood MIP (RINS): the groups the LP decides (>= RINS_FIX) fixed, the rest
-       free, from the rounded point; the cheaper of its plan and ``start`` is the incumbent UB;
+       free, from the rounded point where it is one; the cheaper of its plan and ``start`` is
+       the incumbent UB;
     4. reduced-cost fixing: a binary or edge column with rc_j > UB - LB is 0 in every plan
        cheaper than UB (every point costs >= LB + rc_j when it is 1; an edge variable is 0 or
        1 at integral x), so it is fixed out, and HiGHS's MIP solves the rest from UB.
@@ -387,10 +393,15 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
             rins_ub[best] = 1.0
     rounded = complete(m, rounded)
     incumbent = start
-    if not violated_rows(m, rounded):
-        rins = _mip(m, unit, max(0.0, deadline - time.perf_counter()), rounded, rins_ub)
-        if rins.solution is not None and (incumbent is None or rins.objective < float(cost @ incumbent)):
-            incumbent = complete(m, np.where(integer, np.round(rins.solution), rins.solution))
+    # The rounded point may break the memory row: HiGHS then looks for a point itself.
+    rins = _mip(m, unit, RINS_SHARE * max(0.0, deadline - time.perf_counter()),
+                None if violated_rows(m, rounded) else rounded, rins_ub)
+    if rins.solution is not None and (incumbent is None or rins.objective < float(cost @ incumbent)):
+        incumbent = complete(m, np.where(integer, np.round(rins.solution), rins.solution))
+    log.debug("LP bound %.6g after %.2f s; rounded %.6g (%d rows broken); neighbourhood %s %.6g; start %.6g",
+              lp.bound, time.perf_counter() - (deadline - time_limit_s), float(cost @ rounded),
+              violated_rows(m, rounded), rins.status, rins.objective,
+              float(cost @ start) if start is not None else math.inf)
     upper = float(cost @ incumbent) if incumbent is not None else math.inf
     if upper - lp.bound <= rel_gap * upper and rel_gap > MIP_REL_GAP:  # close enough: no MIP
         return Solved("feasible", upper, lp.bound, incumbent, columns=int((rins_ub > 0.0).sum()))
