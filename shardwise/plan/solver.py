@@ -359,6 +359,15 @@ def _mip(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None, u
     return _run_mip(h, start, len(m.cost))
 
 
+def _within(point: np.ndarray | None, cost: np.ndarray, bound: float, rel_gap: float) -> bool:
+    """Whether ``point`` costs within ``rel_gap`` of ``bound``, for a gap looser than the
+    solver's own (at that, only the MIP proves the optimum)."""
+    if point is None or rel_gap <= MIP_REL_GAP:
+        return False
+    upper = float(cost @ point)
+    return upper - bound <= rel_gap * upper
+
+
 def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None,
                       rel_gap: float = MIP_REL_GAP) -> Solved:
     """Solve ``m`` exactly in four steps, for models whose LP is slow by simplex (the schedule
@@ -392,18 +401,21 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
             rins_ub[cols] = 0.0
             rins_ub[best] = 1.0
     rounded = complete(m, rounded)
-    incumbent = start
-    # The rounded point may break the memory row: HiGHS then looks for a point itself.
-    rins = _mip(m, unit, RINS_SHARE * max(0.0, deadline - time.perf_counter()),
-                None if violated_rows(m, rounded) else rounded, rins_ub)
-    if rins.solution is not None and (incumbent is None or rins.objective < float(cost @ incumbent)):
-        incumbent = complete(m, np.where(integer, np.round(rins.solution), rins.solution))
-    log.debug("LP bound %.6g after %.2f s; rounded %.6g (%d rows broken); neighbourhood %s %.6g; start %.6g",
-              lp.bound, time.perf_counter() - (deadline - time_limit_s), float(cost @ rounded),
-              violated_rows(m, rounded), rins.status, rins.objective,
+    incumbent, broken = start, violated_rows(m, rounded)
+    if not broken and (incumbent is None or float(cost @ rounded) < float(cost @ incumbent)):
+        incumbent = rounded
+    log.debug("LP bound %.6g after %.2f s; rounded %.6g (%d rows broken); start %.6g", lp.bound,
+              time.perf_counter() - (deadline - time_limit_s), float(cost @ rounded), broken,
               float(cost @ start) if start is not None else math.inf)
+    if not _within(incumbent, cost, lp.bound, rel_gap):
+        # The rounded point may break the memory row: HiGHS then looks for a point itself.
+        left = max(0.0, deadline - time.perf_counter())
+        rins = _mip(m, unit, RINS_SHARE * left, None if broken else rounded, rins_ub)
+        if rins.solution is not None and (incumbent is None or rins.objective < float(cost @ incumbent)):
+            incumbent = complete(m, np.where(integer, np.round(rins.solution), rins.solution))
+        log.debug("neighbourhood MIP: %s %.6g", rins.status, rins.objective)
     upper = float(cost @ incumbent) if incumbent is not None else math.inf
-    if upper - lp.bound <= rel_gap * upper and rel_gap > MIP_REL_GAP:  # close enough: no MIP
+    if _within(incumbent, cost, lp.bound, rel_gap):  # close enough: no (more) MIP
         return Solved("feasible", upper, lp.bound, incumbent, columns=int((rins_ub > 0.0).sum()))
     fixable = integer.copy()
     fixable[list(m.ends)] = True
