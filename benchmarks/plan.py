@@ -14,36 +14,41 @@ PyTorch autoparallel's 62-69 s (2 layers) and 153-171 s (32 layers) on such a ma
 Each case runs cold (the auto ILP alone) and warm (the hand plans priced first and the solver
 started from the cheapest, as ``shardwise plan`` does; its total includes the baselines).
 ``--no-pricing`` hands HiGHS the whole model at once instead of the restricted LP and pricing
-of ``plan/solver.py`` (to compare the two).
+of ``plan/solver.py`` (serial objective) or its LP-bound solve (schedule objective), to compare.
 
     .venv/bin/python benchmarks/plan.py [--json] [--cases llama3-8b:2,llama3-8b:32,llama3-70b:80]
         [--modes cold,warm] [--time-limit 60] [--repeat N] [--no-pricing]
 
-What each change to the model did (issue 15 item 4; llama3-8b over 8x8 h100, b16 x 8192, HiGHS
-1.16 on one thread, a 2-core machine shared with other work; CPU seconds of the solve alone, two
-interleaved runs each, by ``ilp.solve`` on the same strategies):
+``--gap 0.01`` lets the solver stop at a plan within 1% of its bound (the first target); without
+it the solver goes on to the optimum within ``--time-limit``.
 
-| model (rows: 15.6k / 15.9k throughout) | columns solved, 2 / 32 layers | CPU s, 2 L | 32 L     |
-| -------------------------------------- | ----------------------------- | ---------- | -------- |
-| whole model, HiGHS MIP (before)        | 105,457 / 106,850             | 7.2, 6.6   | 4.3, 4.4 |
-| LP first, no column left out           | 105,457 / 106,850             | -          | 4.7, 5.4 |
-| restricted LP + pricing, 3 per line    | - / 43,549 (9,128 priced in)  | -          | 3.4      |
-| restricted LP + pricing, 6 per line    | 57,154 / 58,083 (2.5k priced) | 2.4, 3.4   | 2.5, 2.0 |
-| restricted LP + pricing, 8 per line    | 69,621 / 70,407 (1.2k priced) | 3.7, 3.3   | 2.1, 2.5 |
-| restricted LP + pricing, 10 per line   | 80,473 / 81,490 (0.8k priced) | 6.6, 7.0   | 2.1, 2.1 |
+Measured (branch planfast; llama3-8b over 8x8 h100 b16 x 8192, 70B b16 x 4096; ``--modes warm``,
+the schedule objective of ``plan/objective.py``; HiGHS 1.16 on one thread, a 2-core machine
+shared with other work, so ``cpu_s`` is the figure to compare):
 
-All reach the same optimum (0.058626 s and 0.437301 s per step), from an integral LP optimum.
-End to end (``--modes warm``, interleaved runs on the shared machine): 2 layers 8.7-10.6 s
-total (solve 4.8-5.3 s, 5.9-6.5 CPU s) against 12.3-13.6 s (solve 8.2-9.2 s, 8.2-9.1 CPU s)
-with ``--no-pricing``; 32 layers 10.7-11.3 s (solve 3.6-5.1 s) against 13.9-14.5 s (solve
-6.7-7.4 s); peak RSS 0.47-0.49 GiB against 0.75-0.78 GiB (HiGHS's MIP presolve is skipped).
-70B (fractional LP: the memory row binds) is unchanged: feasible at 60 s, 2.1339 s, gap 1.5%.
-The rows do not shrink (one per transport marginal), and the dual simplex's iterations follow
-the rows: the restricted LP still takes ~11k of the whole MIP's ~14-16k iterations.
-Exact reductions measured and not kept: merging transport rows or columns that are equal up to
-a constant (LP-equivalent) leaves 98,257 of 99,543 pairs; a two-stage flow through the
-intermediate placement of DTensor's per-mesh-dim steps would keep ~370 of 576 pairs of a 24x24
-edge at the price of ~50 more rows per edge.
+| case, solve                                     | total s | cpu s | gap    | status   | RSS GiB |
+| ----------------------------------------------- | ------- | ----- | ------ | -------- | ------- |
+| 8B 2 L, main (compute-bound relaxation, lazy)    | 26.0    | 23.6  | 12.6%  | feasible | 0.77    |
+| 8B 2 L, LP bound, --gap 0.01                     | 19.8    | 19.5  | 0.65%  | feasible | 0.47    |
+| 8B 2 L, LP bound, to the optimum (60 s)          | 64.5    | 63.8  | 0.38%  | feasible | 1.21    |
+| 8B 32 L, main                                    | 13.7    | -     | 30%    | feasible | -       |
+| 8B 32 L, LP bound, --gap 0.01                    | 22.7    | 22.4  | 0.42%  | feasible | 0.51    |
+| 8B 32 L, LP bound, to the optimum                | 28.3    | 28.0  | 0      | optimal  | 0.92    |
+| 70B 80 L, main                                   | 26      | -     | 54%    | feasible | -       |
+| 70B 80 L, LP bound (--gap 0.01 or not, 60 s)     | 71.5    | 70.7  | 4.5%   | feasible | 0.90    |
+
+The schedule objective's LP (max rows per block) is tight: 51.99 ms for the 2-layer optimum's
+52.33, 348.29 ms for the 32-layer optimum's 349.75 (the compute-bound relaxation's bounds were
+45.76 and 248.16). By dual simplex it takes ~30 s; by interior point without crossover 12-15 s
+of one core (24 s for 70B), which is most of each solve above. Rounding its point gives the
+2-layer optimum at once; at 32 layers the neighbourhood MIP (174 of 185 choices fixed) finds
+349.76 ms in 0.4 s and reduced-cost fixing leaves ~23k of 107k columns, whose MIP proves
+349.75 ms optimal in ~7 s. 70B: the memory row binds, rounding and the neighbourhood give
+1811.7 ms against an LP bound of 1724.9 ms, and the MIP does not close the gap in 60 s.
+Not kept: the restricted LP (ilpsize's core pairs) by interior point is 30% quicker, but its
+duals price the left-out dear moves so low that the bound they give is useless (-8e6 us), and
+the interior point cannot be warm-started for a pricing round; a warm start of the dual simplex
+from the lazy solution took over 10 minutes.
 """
 
 from __future__ import annotations

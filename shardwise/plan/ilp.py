@@ -39,7 +39,9 @@ its free moves and its CORE_PER_LINE cheapest moves out of each p and into each 
 HiGHS solves the LP without them, prices them back in by reduced cost until none could lower the
 objective (the full LP's optimum), and returns an integral LP optimum as the ILP's; otherwise it
 runs the MIP over the columns whose reduced cost leaves them able to beat the start point. The
-optimum is the whole model's (``pricing=False`` solves the whole model at once).
+optimum is the whole model's (``pricing=False`` solves the whole model at once). The schedule
+objective's model (``objective.py``) is solved from its interior-point LP bound instead
+(``solver.solve_by_lp_bound``).
 
 Start point: a hand plan's choices (one strategy per deciding representative) fix x; each e is
 then 1 on the one pair its ends choose and each t the largest of its rows, a complete point that
