@@ -34,6 +34,15 @@ Memory per device, <= budget. Training:
   + sum_{forward nodes read by backward} copies * sum_s x * local_bytes(out(s))
 Inference: the parameters' local bytes (a replicated 70B model does not fit an 80 GB device).
 
+Solving (``solver.py``): most columns are edge variables e of dear moves. Each edge marks all but
+its free moves and its CORE_PER_LINE cheapest moves out of each p and into each q as optional;
+HiGHS solves the LP without them, prices them back in by reduced cost until none could lower the
+objective (the full LP's optimum), and returns an integral LP optimum as the ILP's; otherwise it
+runs the MIP over the columns whose reduced cost leaves them able to beat the start point. The
+optimum is the whole model's (``pricing=False`` solves the whole model at once). The schedule
+objective's model (``objective.py``) is solved from its interior-point LP bound instead
+(``solver.solve_by_lp_bound``).
+
 Start point: a hand plan's choices (one strategy per deciding representative) fix x; each e is
 then 1 on the one pair its ends choose and each t the largest of its rows, a complete point that
 is checked against every row before HiGHS gets it as its first incumbent (``_start_vector``).
@@ -48,7 +57,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import highspy
 import numpy as np
 import torch
 from torch import fx
@@ -60,8 +68,8 @@ from shardwise.plan.cluster import Clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.placement import Placements
 from shardwise.plan.plan import tensor_args
+from shardwise.plan.solver import MIP_REL_GAP, Model, complete, solve_model, violated_rows
 from shardwise.plan.strategies import NodeStrategies, Strategy, intern
-from shardwise.stdio import native_stdout_silenced
 
 if TYPE_CHECKING:
     from shardwise.plan.objective import ScheduleObjective
@@ -69,16 +77,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 GRAD_SINK = -1  # argument index of a gradient -> parameter-placement edge
 LOSS_SINK = -2  # argument index of the loss -> Replicate edge
-# Relative MIP gap at which HiGHS may stop and report "optimal": tighter than the 1e-6 to which
-# plans are compared, loose enough that the solver does not chase rounding noise.
-MIP_REL_GAP = 1e-7
 # The solver sees costs in microseconds: in seconds, a kernel's launch floor (~1e-6) and the
 # differences between strategies (~1e-9) fall under HiGHS's absolute tolerances (~1e-7).
 OBJECTIVE_UNIT_S = 1e-6
 # ... and the memory row in GiB (in bytes its coefficients reach 1e11, far from the others').
 MEMORY_UNIT_BYTES = 2**30
-# HiGHS's default primal feasibility tolerance (option primal_feasibility_tolerance).
-FEASIBILITY_TOL = 1e-7
+# Moves per source and per destination of an edge that the first LP keeps (``_core_pairs``);
+# the rest are priced in. On llama3-8b over 8x8, 6 keeps about half of the transport columns,
+# and the optimum needs few of the others: its restricted LP already has the full LP's value.
+CORE_PER_LINE = 6
 
 
 # Optimizer state per parameter element, in bytes: Adam/AdamW keep two fp32 moments, SGD with
@@ -120,24 +127,13 @@ class IlpResult:
     min_memory_bytes: int | None = None
     bound_s: float = 0.0  # the solver's lower bound on the optimum (seconds)
     start_s: float | None = None  # the objective at the start point handed to the solver, if any
+    # How the model was solved (``solver.solve_model``): pricing rounds, columns priced in,
+    # columns the last solve could use, optional columns in all.
+    stats: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
-class _Model:
-    cost: list[float] = field(default_factory=list)
-    lb: list[float] = field(default_factory=list)
-    ub: list[float] = field(default_factory=list)
-    integer: list[bool] = field(default_factory=list)
-    row_lb: list[float] = field(default_factory=list)
-    row_ub: list[float] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    index: list[int] = field(default_factory=list)
-    value: list[float] = field(default_factory=list)
-    # What a start point needs to fill in the continuous columns from the x it fixes: each edge
-    # variable's two ends (the x that make its producer yield p, its consumer need q), each move
-    # variable t's rows (t >= sum of terms).
-    ends: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
-    t_rows: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+class _Model(Model):
     # Where cost terms go: the serial sum (None), or a schedule objective's rows
     # (``plan/objective.py``), which takes each term with what it is (a node's kernel, a move).
     objective: ScheduleObjective | None = None
@@ -147,29 +143,6 @@ class _Model:
             self.cost[col] += seconds
         else:
             self.objective.charge(col, seconds, tag)
-
-    def var(self, cost: float, ub: float = 1.0, integer: bool = True, lb: float = 0.0) -> int:
-        self.cost.append(cost)
-        self.lb.append(lb)
-        self.ub.append(ub)
-        self.integer.append(integer)
-        return len(self.cost) - 1
-
-    def vars(self, n: int) -> int:
-        """``n`` continuous variables in [0, 1] at no cost; returns the first one's index."""
-        first = len(self.cost)
-        self.cost.extend([0.0] * n)
-        self.lb.extend([0.0] * n)
-        self.ub.extend([1.0] * n)
-        self.integer.extend([False] * n)
-        return first
-
-    def row(self, lo: float, hi: float, terms: dict[int, float]) -> None:
-        self.row_lb.append(lo)
-        self.row_ub.append(hi)
-        self.starts.append(len(self.index))
-        self.index.extend(terms.keys())
-        self.value.extend(terms.values())
 
 
 @dataclass
@@ -210,12 +183,15 @@ def _strategy_vars(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[lis
 def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
           *, memory_budget: float | None = None, memory: MemoryModel | None = None,
           time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None,
-          schedule: ScheduleObjective | None = None) -> IlpResult:
+          schedule: ScheduleObjective | None = None, pricing: bool = True,
+          rel_gap: float = MIP_REL_GAP) -> IlpResult:
     """Solve the placement ILP. ``start`` (deciding representative -> strategy index, e.g. a
     hand plan's choices) is handed to HiGHS as its first incumbent: the solver completes the
     continuous edge variables and, if the point is feasible, never returns anything worse, so
     a time limit costs only optimality. ``schedule``: the schedule objective
-    (``plan/objective.py``) in place of the serial sum."""
+    (``plan/objective.py``) in place of the serial sum. ``pricing=False``: HiGHS gets the whole
+    model at once (``solver.py``). ``rel_gap``: the solver may stop at a plan within this
+    relative gap of its bound (the default: the optimum)."""
     t0 = time.perf_counter()
     memory = memory or MemoryModel()
     m = _Model(objective=schedule)
@@ -302,70 +278,34 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
 
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    with native_stdout_silenced():  # HiGHS prints its banner on stdout as it is built
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(time_limit_s))
-    h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
-    h.setOptionValue("threads", 1)
-    nv, nr = len(m.cost), len(m.row_lb)
-    h.passModel(_highs_lp(m))
-    start_s = None
+    start_val, start_s = None, None
     if start is not None:
-        val = _start_vector(m, deciding, start, one)
-        bad = _violated_rows(m, val)
+        start_val = _start_vector(m, deciding, start, one)
+        bad = violated_rows(m, start_val)
         if bad:
             log.warning("the start point breaks %d rows of the placement ILP; solving without it", bad)
+            start_val = None
         else:
-            start_s = float(np.dot(m.cost, val)) if schedule is None else schedule.value(val)
-            h.setSolution(len(val), np.arange(len(val), dtype=np.int32), val)
-    h.run()
-    if schedule is not None:  # the blocks whose communication outlasts their compute
-        h = schedule.refine(h, m, _highs_lp, float(time_limit_s) - (time.perf_counter() - t1))
-    solve_s = time.perf_counter() - t1
-    status = h.getModelStatus()
-    info = h.getInfo()
-    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    if status == highspy.HighsModelStatus.kOptimal:
-        label = "optimal"
-    elif has_solution:
-        label = "feasible"
+            start_s = float(np.dot(m.cost, start_val)) if schedule is None else schedule.value(start_val)
+    if schedule is None:
+        got = solve_model(m, OBJECTIVE_UNIT_S, time_limit_s, start_val, pricing=pricing, rel_gap=rel_gap)
     else:
-        label = "infeasible" if status == highspy.HighsModelStatus.kInfeasible else "unsolved"
-        return IlpResult(label, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem,
-                         bound_s=_bound_s(float(info.mip_dual_bound)), start_s=start_s)
-    sol = np.asarray(h.getSolution().col_value)
+        got = schedule.solve(m, OBJECTIVE_UNIT_S, time_limit_s, start_val, pricing=pricing, rel_gap=rel_gap)
+    solve_s = time.perf_counter() - t1
+    nv, nr = len(m.cost), len(m.row_lb)
+    stats = {"pricing_rounds": got.pricing_rounds, "priced_in": got.priced_in, "columns_solved": got.columns,
+             "optional": int(sum(m.optional)), "integral_lp": int(got.integral_lp)}
+    if got.solution is None:
+        return IlpResult(got.status, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem,
+                         bound_s=_bound_s(got.bound), start_s=start_s, stats=stats)
+    sol = got.solution
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
-    objective = float(info.objective_function_value) * OBJECTIVE_UNIT_S
-    if schedule is not None:  # exact at the point (a time limit may stop refine short)
-        objective = schedule.value(sol)
-        if objective - schedule.lower_bound_s > MIP_REL_GAP * objective:
-            label = "feasible"  # optimal for the refinement's charges, not proven for the maximum
-    lower = _bound_s(float(info.mip_dual_bound)) if schedule is None else schedule.lower_bound_s
-    bound = min(lower, objective)
+    objective = got.objective * OBJECTIVE_UNIT_S
+    bound = min(_bound_s(got.bound), objective)
     # The relative gap from the normalised bound (HiGHS says inf while it has no bound).
-    gap = 0.0 if label == "optimal" or objective <= 0.0 else (objective - bound) / objective
-    return IlpResult(label, objective, gap, choice, nv, nr, build_s, solve_s, min_mem, bound_s=bound,
-                     start_s=start_s)
-
-
-def _highs_lp(m: _Model) -> highspy.HighsLp:
-    """The model as HiGHS takes it (costs in the solver's unit)."""
-    lp = highspy.HighsLp()
-    lp.num_col_ = len(m.cost)
-    lp.num_row_ = len(m.row_lb)
-    lp.col_cost_ = np.array(m.cost, dtype=np.float64) / OBJECTIVE_UNIT_S
-    lp.col_lower_ = np.array(m.lb, dtype=np.float64)
-    lp.col_upper_ = np.array(m.ub, dtype=np.float64)
-    lp.row_lower_ = np.array(m.row_lb, dtype=np.float64)
-    lp.row_upper_ = np.array(m.row_ub, dtype=np.float64)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.array(m.starts + [len(m.index)], dtype=np.int32)
-    lp.a_matrix_.index_ = np.array(m.index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.array(m.value, dtype=np.float64)
-    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                       for i in m.integer]
-    return lp
+    gap = 0.0 if got.status == "optimal" or objective <= 0.0 else (objective - bound) / objective
+    return IlpResult(got.status, objective, gap, choice, nv, nr, build_s, solve_s, min_mem, bound_s=bound,
+                     start_s=start_s, stats=stats)
 
 
 def _bound_s(dual_bound: float) -> float:
@@ -373,7 +313,7 @@ def _bound_s(dual_bound: float) -> float:
     return max(0.0, dual_bound * OBJECTIVE_UNIT_S) if math.isfinite(dual_bound) else 0.0
 
 
-def _start_vector(m: _Model, deciding: dict[fx.Node, list[int]], start: dict[fx.Node, int],
+def _start_vector(m: Model, deciding: dict[fx.Node, list[int]], start: dict[fx.Node, int],
                   one: int) -> np.ndarray:
     """``start`` as a complete point of the model: the one-hot x of every deciding
     representative (a follower's x are its producer's), each edge variable 1 where both its ends
@@ -384,20 +324,7 @@ def _start_vector(m: _Model, deciding: dict[fx.Node, list[int]], start: dict[fx.
     for r, vs in deciding.items():
         if r in start:
             val[vs[start[r]]] = 1.0
-    for col, (src, dst) in m.ends.items():
-        val[col] = float(val[src].sum() > 0.5 and val[dst].sum() > 0.5)
-    for t, rows in m.t_rows.items():
-        val[t] = max(0.0, *(sum(c * val[e] for e, c in terms.items()) for terms in rows))
-    return val
-
-
-def _violated_rows(m: _Model, val: np.ndarray) -> int:
-    """How many rows ``val`` breaks (beyond HiGHS's feasibility tolerance)."""
-    activity = np.zeros(len(m.row_lb))
-    rows = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
-    np.add.at(activity, rows, np.array(m.value) * val[np.array(m.index, dtype=np.int64)])
-    lo, hi = np.array(m.row_lb), np.array(m.row_ub)
-    return int(((activity < lo - FEASIBILITY_TOL) | (activity > hi + FEASIBILITY_TOL)).sum())
+    return complete(m, val)
 
 
 def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Placements, list[int]],
@@ -412,6 +339,8 @@ def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Place
     cols[finite] = m.vars(n) + np.arange(n)
     for i, j in zip(*np.nonzero(finite), strict=True):
         m.ends[int(cols[i, j])] = (supply[srcs[i]], demand[dsts[j]])
+    for col in cols[finite & ~_core_pairs(times)].tolist():
+        m.optional[col] = True
     for j, q in enumerate(dsts):
         row = dict.fromkeys(demand[q], -1.0)
         row.update(dict.fromkeys(cols[finite[:, j], j].tolist(), 1.0))
@@ -422,6 +351,20 @@ def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Place
         m.row(0.0, 0.0, row)
     pi, qj = np.nonzero(finite & (times > 0.0))
     return _Paid(cols[pi, qj].tolist(), [id(dsts[j]) for j in qj.tolist()], times[pi, qj].tolist())
+
+
+def _core_pairs(times: np.ndarray) -> np.ndarray:
+    """The (p, q) pairs of an edge the first LP keeps: every free move, and the CORE_PER_LINE
+    cheapest moves out of each source and into each destination. The rest are optional:
+    priced back in where their reduced cost says they could lower the objective."""
+    keep = times <= 0.0
+    k = min(CORE_PER_LINE, times.shape[1])
+    rows = np.argsort(times, axis=1, kind="stable")[:, :k]
+    keep[np.arange(times.shape[0])[:, None], rows] = True
+    k = min(CORE_PER_LINE, times.shape[0])
+    cols = np.argsort(times, axis=0, kind="stable")[:k, :]
+    keep[cols, np.arange(times.shape[1])[None, :]] = True
+    return keep
 
 
 def _charge_moves(m: _Model, edges: list[_Paid], copies: int, keys: list) -> None:

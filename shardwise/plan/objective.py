@@ -31,13 +31,14 @@ The objective is ``optimizer + sum_b T[b]`` with
                hidden[b] + exposed[b])       the communication stream: the exposed
                                              collectives queue behind the hidden ones.
 
-The solve is lazy: the first model charges every block its first term (compute-bound, a lower
-bound of the objective, as sparse as the serial one); ``refine`` then charges the blocks whose
-stream outlasts their compute in the solution their serial sum (an upper bound of their
-maximum) and solves again from the solution. The exact rows (T[b] >= each load) are several
-times slower to solve, and HiGHS 1.16's presolve returns solutions its own bound contradicts on
-them. The objective reported is the maximum form above at the chosen point (``value``), the
-bound the first solve's.
+The rows are exact: the exposed terms go in the cost, and each block has a variable w[b]
+(microseconds) in the cost with w[b] >= compute[b] and w[b] >= hidden[b] + exposed[b] -
+exposed[b], so that at the optimum T[b] = exposed[b] + w[b]. Its LP relaxation is tight (on
+llama3-8b over 8x8 within 0.2-0.7% of the optimum; the compute-bound relaxation was 12-30% off),
+but the max rows make it slow by simplex (~30 s, 10x the serial model's), so ``solve`` takes
+it by interior point and finishes from there (``solver.solve_by_lp_bound``: rounding, a
+neighbourhood MIP, reduced-cost fixing, the MIP over what is left). The objective reported is
+the maximum form above at the chosen point (``value``, the model's cost there).
 
 Not modelled (the schedule's estimate of the chosen plan is reported beside the objective, and
 the planner chooses by that estimate among the ILP's solution and the hand plans): dependency
@@ -49,12 +50,11 @@ and exposed), and the collectives recomputation repeats.
 from __future__ import annotations
 
 import logging
-import time
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import highspy
 import numpy as np
 from torch import fx
 
@@ -70,8 +70,8 @@ from shardwise.ir.trace import Phase, Traced
 from shardwise.passes.remat import ACPolicy, recompute_plan
 from shardwise.plan.cluster import HEAD, TAIL, Clustering, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
+from shardwise.plan.solver import MIP_REL_GAP, Solved, complete, solve_by_lp_bound, solve_model
 from shardwise.plan.strategies import NodeStrategies
-from shardwise.stdio import native_stdout_silenced
 
 # The ILP's edge argument indices of the sinks (``ilp.GRAD_SINK``, ``ilp.LOSS_SINK``; not
 # imported: ilp.py imports nothing of this module and this module nothing of it).
@@ -79,13 +79,6 @@ GRAD_SINK = -1
 LOSS_SINK = -2
 
 log = logging.getLogger(__name__)
-# HiGHS's primal_solution_status when it holds a feasible point (kSolutionStatusFeasible).
-SOLUTION_FEASIBLE = 2
-# A block's hidden communication counts as outlasting its critical path beyond this relative
-# margin (float rounding of the sums).
-REFINE_TOL = 1e-9
-# Solves after the first that charge more blocks' hidden communication (each costs a solve).
-REFINE_ROUNDS = 2
 
 Block = tuple[Phase, int]  # (phase, region): a layer index, HEAD or TAIL
 EdgeKey = tuple[fx.Node, fx.Node, int]  # (producer, consumer, argument) on representatives
@@ -110,10 +103,6 @@ class ScheduleObjective:
     options: StepOptions
     terms: dict[Block, dict[str, dict[int, float]]] = field(default_factory=dict)
     serial: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    # Blocks whose hidden communication is charged too (``refine``).
-    serial_blocks: set[Block] = field(default_factory=set)
-    # A lower bound of the objective (seconds): the first solve's (``refine``).
-    lower_bound_s: float = 0.0
 
     def __post_init__(self) -> None:
         gm = self.traced.gm
@@ -225,16 +214,24 @@ class ScheduleObjective:
 
     # ---- the rows ------------------------------------------------------------------------
     def finish(self, m, unit_s: float) -> None:
-        """Put the serial terms and every block's compute and exposed terms in the cost of the
-        model ``m`` (``ilp._Model``, seconds per unit of each column): the objective with every
-        block compute-bound, a lower bound of the schedule objective. ``refine`` adds the rows
-        of the blocks the solution shows are not."""
+        """Write the objective into the model ``m`` (``ilp._Model``, seconds per unit of each
+        column): the serial and exposed terms in its cost; per block, w[b] in the cost and its
+        two rows, w[b] >= compute[b] and w[b] >= hidden[b] (in microseconds, like the move
+        variables t, so that the rows' coefficients stay above HiGHS's tolerances). w[b] is a
+        move-like variable of ``m.t_rows``: a start point sets it to the larger of its rows."""
         self.unit_s = unit_s
         for col, t in self.serial.items():
             m.cost[col] += t
         for loads in self.terms.values():
-            for col, t in self._critical(loads).items():
+            for col, t in loads.get(Load.EXPOSED, {}).items():
                 m.cost[col] += t
+            w = m.var(0.0, ub=math.inf, integer=False)
+            m.cost[w] += unit_s
+            m.t_rows[w] = []
+            for load in (Load.COMPUTE, Load.HIDDEN):
+                terms = {c: t / unit_s for c, t in loads.get(load, {}).items() if t}
+                m.t_rows[w].append(terms)
+                m.row(-math.inf, 0.0, {**terms, w: -1.0})
 
     @staticmethod
     def _critical(loads: dict[str, dict[int, float]]) -> dict[int, float]:
@@ -260,40 +257,27 @@ class ScheduleObjective:
         serial = sum(t * float(val[c]) for c, t in self.serial.items())
         return float(serial + sum(max(crit, hid) for crit, hid in self._loads(val).values()))
 
-    def refine(self, h: highspy.Highs, m, to_highs, time_limit_s: float) -> highspy.Highs:
-        """While the solver's solution has a block whose hidden communication outlasts its
-        compute and exposed communication, charge that block's hidden communication too (its
-        serial sum, an upper bound of its maximum) and solve again from the solution, within
-        ``time_limit_s`` in all, at most ``REFINE_ROUNDS`` times; returns the solver that solved
-        last. (The exact rows, T[b] >= each load, make the MIP several times slower, and
-        HiGHS 1.16's presolve then returns solutions its own bound contradicts.)"""
-        t0 = time.perf_counter()
-        # The first solve's model is a relaxation of the schedule objective: its bound is one.
-        self.lower_bound_s = max(0.0, h.getInfo().mip_dual_bound * self.unit_s)
-        for _ in range(REFINE_ROUNDS):
-            if h.getInfo().primal_solution_status != SOLUTION_FEASIBLE:
-                return h
-            sol = np.asarray(h.getSolution().col_value)
-            new = [b for b, (crit, hid) in self._loads(sol).items()
-                   if b not in self.serial_blocks and hid > crit * (1.0 + REFINE_TOL)]
-            left = time_limit_s - (time.perf_counter() - t0)
-            log.debug("schedule objective: %d blocks outlast their compute after %.2f s", len(new),
-                      time.perf_counter() - t0)
-            if not new or left <= 0.0:
-                return h
-            for b in new:
-                self.serial_blocks.add(b)
-                for col, t in self.terms[b].get(Load.HIDDEN, {}).items():
-                    m.cost[col] += t
-            start = np.where(m.integer, np.round(sol), sol)
-            # A fresh solver: HiGHS 1.16 handed a start after a solve of the model it replaces
-            # reports the old optimum's objective with the start as its solution.
-            options = h.getOptions()
-            with native_stdout_silenced():
-                h = highspy.Highs()
-            h.passOptions(options)
-            h.passModel(to_highs(m))
-            h.setSolution(len(start), np.arange(len(start), dtype=np.int32), start)
-            h.setOptionValue("time_limit", float(left))
-            h.run()
-        return h
+    def solve(self, m, unit_s: float, time_limit_s: float, start: np.ndarray | None,
+              pricing: bool = True, rel_gap: float = MIP_REL_GAP) -> Solved:
+        """Solve the model ``m`` (``finish``ed) from its interior-point LP bound
+        (``solver.solve_by_lp_bound``) to within ``rel_gap`` of the optimum; ``pricing=False``:
+        HiGHS's MIP on the whole model."""
+        if pricing:
+            got = solve_by_lp_bound(m, unit_s, time_limit_s, start, rel_gap)
+        else:
+            got = solve_model(m, unit_s, time_limit_s, start, pricing=False, rel_gap=rel_gap)
+        log.debug("schedule objective: %s, %d of %d columns left to the MIP", got.status, got.columns,
+                  len(m.cost))
+        return self._exact(m, got)
+
+    def _exact(self, m, got: Solved) -> Solved:
+        """``got`` at its plan: the continuous columns without slack (``solver.complete``), the
+        objective the maximum form there, 'optimal' only where the bound proves it."""
+        if got.solution is None:
+            return got
+        got.solution = complete(m, np.where(m.integer, np.round(got.solution), got.solution))
+        got.objective = self.value(got.solution) / self.unit_s
+        got.bound = min(got.bound, got.objective)
+        if got.objective - got.bound > MIP_REL_GAP * got.objective:
+            got.status = "feasible"  # the solver's tolerances, not a proof
+        return got

@@ -30,6 +30,7 @@ from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, IlpResult, MemoryModel, chosen_strategy, solve
 from shardwise.plan.placement import Placements, on_mesh, placements_str
 from shardwise.plan.plan import CollectiveCount, Estimate, NodeSpec, Plan, graph_fingerprint, tensor_args
+from shardwise.plan.solver import MIP_REL_GAP
 from shardwise.plan.strategies import NodeStrategies, Strategy, enumerate_strategies
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def make_plan(
     on_phase: Callable[[str], None] | None = None,
     start_from: Sequence[Plan] = (),
     step_options: dict | None = None,
+    rel_gap: float = MIP_REL_GAP,
 ) -> Plan | None:
     """Plan ``traced`` over ``mesh``. Returns None when ``baseline`` does not apply to this mesh.
     ``on_phase`` is told what the planner is doing (for progress displays). ``start_from``: plans
@@ -76,7 +78,8 @@ def make_plan(
     than it, even when the time limit stops the search (see ``plan_with_baselines``).
     ``step_options`` (a training step's ``ac``, ``compile``, ``async_tp``; ``{}`` for the
     defaults): the objective is the step schedule, linearised (``plan/objective.py``), instead
-    of the serial sum of every kernel and collective (None)."""
+    of the serial sum of every kernel and collective (None). ``rel_gap``: the solver may stop at
+    a plan within this relative gap of its bound (the default: the optimum)."""
     say = on_phase or (lambda _phase: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -117,7 +120,7 @@ def make_plan(
 
         linearised = ScheduleObjective(traced, clus, costs, torchtitan_options(traced, **step_options))
     res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
-                start=start.choice if start is not None else None, schedule=linearised)
+                start=start.choice if start is not None else None, schedule=linearised, rel_gap=rel_gap)
     if start is not None:
         res = _never_worse(res, start)
     timings["ilp_build_s"] = res.build_s
@@ -155,7 +158,7 @@ def make_plan(
         # The hand plans that are points of this ILP (they fit and keep the constraints).
         "admissible": [p.name for p, _ in points],
         "ilp": {"variables": res.n_vars, "constraints": res.n_rows, "clusters": len(clus.clusters),
-                "representatives": len(clus.representatives), "nodes": len(clus.rep)},
+                "representatives": len(clus.representatives), "nodes": len(clus.rep), **res.stats},
     }
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))

@@ -154,13 +154,25 @@ def test_a_later_constraint_overrides_an_earlier_glob(capsys):
     assert held[WQ.format(0)] == ["S(0)"] and held[WQ.format(1)] == ["S(1)"]
 
 
+def _auto_objective(capsys, *constraints: str) -> tuple[dict[str, list[str]], float]:
+    argv = [*TWO_LAYERS, *(x for c in constraints for x in ("--constrain", c))]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    return out["params"], out["plans"]["auto"]["objective_s"]
+
+
 def test_a_constraint_on_one_clustered_layer_holds_for_that_layer_only(capsys):
     """Layer 1 is a copy of layer 0 in the clustering: pinning only its weight must split it off
-    rather than be overridden by layer 0's choice (or impose itself on layer 0)."""
+    rather than be overridden by layer 0's choice (or impose itself on layer 0: layer 0 may
+    still take its free choice at no cost; the schedule objective has ties, so it need not)."""
     free = _params(capsys)
-    held = _params(capsys, f"{WQ.format(1)}=S(1)")
+    assert free[WQ.format(0)] != ["S(1)"]
+    held, cost = _auto_objective(capsys, f"{WQ.format(1)}=S(1)")
     assert held[WQ.format(1)] == ["S(1)"]
-    assert held[WQ.format(0)] == free[WQ.format(0)] != ["S(1)"]
+    both, cost_both = _auto_objective(capsys, f"{WQ.format(1)}=S(1)",
+                                      f"{WQ.format(0)}={','.join(free[WQ.format(0)])}")
+    assert both[WQ.format(0)] == free[WQ.format(0)] and both[WQ.format(1)] == ["S(1)"]
+    assert cost_both == pytest.approx(cost, rel=1e-9)
 
 
 def test_a_glob_over_inputs_and_outputs(capsys):

@@ -1,0 +1,431 @@
+r"""Solving the placement model with HiGHS: a restricted LP, pricing, then (if needed) the MIP.
+
+Most columns of the placement ILP are edge transport variables e[k,p,q] (``ilp._add_edge``),
+and most of those are dear moves that no good plan makes. The model is solved smaller, and
+exactly, in three steps:
+
+1. **Restricted LP.** The LP relaxation without the optional columns (``Model.optional``: each
+   edge keeps its free moves and its few cheapest moves out of every source and into every
+   destination, and the start point's moves).
+2. **Pricing.** With the LP's row duals y, every left-out column j has reduced cost
+   rc_j = c_j - y.A_j. Columns with rc_j < 0 could lower the objective: they join the LP,
+   which HiGHS re-solves from its basis. When none is left, the restricted LP's optimum is the
+   full LP's (LP duality: y is dual feasible for every column), so its value LB is a lower
+   bound on the ILP. If the x it chose are integral, that point is the ILP's optimum: done.
+3. **MIP with reduced-cost fixing.** Otherwise, for any feasible point z of the full model,
+   c.z >= LB + sum_j rc_j z_j (every term of the reduced-cost expansion is >= 0 at an optimal
+   basis). At integral x an edge variable is 0 or 1, so a plan that uses a left-out column j is
+   dearer than LB + rc_j; where that exceeds UB (the start point's objective) it cannot beat the
+   start, and the column stays out. The others rejoin, and HiGHS solves the MIP over them,
+   started from the start point. Its optimum is the full model's: every plan it cannot see costs
+   more than one it can.
+
+If steps 1-2 cannot finish within PRICING_SHARE of the time limit (or the restricted LP has no
+point), the MIP over every column gets the rest of the time, as if nothing had been left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+
+from shardwise.stdio import native_stdout_silenced
+
+log = logging.getLogger(__name__)
+
+# Relative MIP gap at which HiGHS may stop and report "optimal": tighter than the 1e-6 to which
+# plans are compared, loose enough that the solver does not chase rounding noise.
+MIP_REL_GAP = 1e-7
+# HiGHS's default dual feasibility tolerance (option dual_feasibility_tolerance): a reduced
+# cost above -this is non-negative to the solver, so pricing uses the same threshold.
+DUAL_FEASIBILITY_TOL = 1e-7
+# HiGHS's default primal feasibility tolerance (option primal_feasibility_tolerance).
+FEASIBILITY_TOL = 1e-7
+# HiGHS's default MIP feasibility tolerance (option mip_feasibility_tolerance): an integer
+# column of the LP solution this close to 0 or 1 is integral.
+INTEGRALITY_TOL = 1e-6
+# Pricing rounds before giving up on the restricted LP (llama3-8b and 70B over 8x8 converge in
+# 3-6; a model that needs many more is better solved whole).
+MAX_PRICING_ROUNDS = 25
+# Share of the time limit steps 1-2 may take before the whole MIP gets the rest. On llama3-8b
+# over 8x8 they take ~2-5 s of 60. On Phi-3 over 2x4 (hf_families, 30 s) the first LP takes
+# ~9 s and already finds the optimum, but each re-solve after pricing runs ~30k simplex
+# iterations: the whole MIP then starts from that plan (it needs ~28 s to prove it optimal).
+PRICING_SHARE = 0.4
+
+
+@dataclass
+class Model:
+    """The ILP as the builder writes it: columns, then rows in row-wise sparse form."""
+
+    cost: list[float] = field(default_factory=list)
+    lb: list[float] = field(default_factory=list)
+    ub: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    # Columns the solver may start without (dear transport pairs, see ``ilp._add_edge``):
+    # left out of the first LP and priced back in by their reduced costs.
+    optional: list[bool] = field(default_factory=list)
+    row_lb: list[float] = field(default_factory=list)
+    row_ub: list[float] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+    value: list[float] = field(default_factory=list)
+    # What a start point needs to fill in the continuous columns from the x it fixes: each edge
+    # variable's two ends (the x that make its producer yield p, its consumer need q), each move
+    # variable t's rows (t >= sum of terms).
+    ends: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    t_rows: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+
+    def var(self, cost: float, ub: float = 1.0, integer: bool = True, lb: float = 0.0) -> int:
+        self.cost.append(cost)
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.integer.append(integer)
+        self.optional.append(False)
+        return len(self.cost) - 1
+
+    def vars(self, n: int) -> int:
+        """``n`` continuous variables in [0, 1] at no cost; returns the first one's index."""
+        first = len(self.cost)
+        self.cost.extend([0.0] * n)
+        self.lb.extend([0.0] * n)
+        self.ub.extend([1.0] * n)
+        self.integer.extend([False] * n)
+        self.optional.extend([False] * n)
+        return first
+
+    def row(self, lo: float, hi: float, terms: dict[int, float]) -> None:
+        self.row_lb.append(lo)
+        self.row_ub.append(hi)
+        self.starts.append(len(self.index))
+        self.index.extend(terms.keys())
+        self.value.extend(terms.values())
+
+
+@dataclass
+class Solved:
+    """What the solver found, in the model's own cost units."""
+
+    status: str  # "optimal" | "feasible" | "infeasible" | "unsolved"
+    objective: float  # math.inf without a solution
+    bound: float  # lower bound on the optimum (-inf before the solver has one)
+    solution: np.ndarray | None
+    pricing_rounds: int = 0  # LP solves of step 1-2 (0: the model was solved whole)
+    priced_in: int = 0  # optional columns the pricing added
+    columns: int = 0  # columns the last solve could use (the rest fixed at 0)
+    integral_lp: bool = False  # pricing ended on an integral LP optimum (no MIP needed)
+
+
+def solve_model(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None,
+                pricing: bool = True, rel_gap: float = MIP_REL_GAP) -> Solved:
+    """Solve ``m`` (costs divided by ``unit`` for the solver), from the complete feasible point
+    ``start`` if given; ``pricing=False`` hands HiGHS the whole MIP at once."""
+    deadline = time.perf_counter() + time_limit_s
+    optional = np.array(m.optional, dtype=bool) if pricing else np.zeros(len(m.cost), dtype=bool)
+    if start is not None:
+        optional &= start <= 0.5  # the start's own moves stay in: it must remain a point
+    if optional.any():
+        done, found = _by_pricing(m, unit, optional, deadline, start,
+                                  time.perf_counter() + PRICING_SHARE * time_limit_s)
+        if done is not None:
+            return done
+        if found is not None and (start is None or _dearer(m, start, found)):
+            start = found  # an integral restricted-LP optimum: a plan, and often the best one
+    h = _highs(max(0.0, deadline - time.perf_counter()), rel_gap)
+    h.passModel(_highs_lp(m, unit))
+    return _run_mip(h, start, len(m.cost))
+
+
+def _highs(time_limit_s: float, rel_gap: float = MIP_REL_GAP) -> highspy.Highs:
+    with native_stdout_silenced():  # HiGHS prints its banner on stdout as it is built
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("mip_rel_gap", rel_gap)
+    h.setOptionValue("threads", 1)
+    return h
+
+
+def _until(h: highspy.Highs, deadline: float) -> None:
+    """Let ``h``'s next run go on until ``deadline`` (HiGHS's time limit counts all its runs)."""
+    h.setOptionValue("time_limit", h.getRunTime() + max(0.0, deadline - time.perf_counter()))
+
+
+def _highs_lp(m: Model, unit: float) -> highspy.HighsLp:
+    lp = highspy.HighsLp()
+    lp.num_col_ = len(m.cost)
+    lp.num_row_ = len(m.row_lb)
+    lp.col_cost_ = np.array(m.cost, dtype=np.float64) / unit
+    lp.col_lower_ = np.array(m.lb, dtype=np.float64)
+    lp.col_upper_ = np.array(m.ub, dtype=np.float64)
+    lp.row_lower_ = np.array(m.row_lb, dtype=np.float64)
+    lp.row_upper_ = np.array(m.row_ub, dtype=np.float64)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(m.starts + [len(m.index)], dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(m.index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(m.value, dtype=np.float64)
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                       for i in m.integer]
+    return lp
+
+
+def _dearer(m: Model, a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether point ``a`` costs more than point ``b``."""
+    cost = np.array(m.cost)
+    return float(np.dot(cost, a)) > float(np.dot(cost, b))
+
+
+def _integral(sol: np.ndarray, integer: np.ndarray) -> bool:
+    frac = np.abs(sol[integer] - np.round(sol[integer]))
+    return not len(frac) or frac.max() <= INTEGRALITY_TOL
+
+
+def _by_pricing(m: Model, unit: float, left_out: np.ndarray, deadline: float,
+                start: np.ndarray | None, lp_deadline: float) -> tuple[Solved | None, np.ndarray | None]:
+    """Steps 1-3 of the module docstring (steps 1-2 by ``lp_deadline``, step 3 by ``deadline``).
+    Where steps 1-2 cannot finish in time: (None, the last integral restricted-LP optimum, a
+    feasible point of the whole model, or None) for the whole MIP to start from."""
+    n = len(m.cost)
+    integer = np.array(m.integer, dtype=bool)
+    relaxed = _highs_lp(m, unit)
+    relaxed.integrality_ = []
+    cost = np.asarray(relaxed.col_cost_).copy()
+    ub = np.asarray(relaxed.col_upper_).copy()
+    index = np.array(m.index, dtype=np.int64)
+    value = np.array(m.value, dtype=np.float64)
+    row_of = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
+    restricted_ub = ub.copy()
+    restricted_ub[left_out] = 0.0
+    relaxed.col_upper_ = restricted_ub
+    h = _highs(max(0.0, lp_deadline - time.perf_counter()))
+    h.passModel(relaxed)
+    left_out = left_out.copy()
+    priced_in, rounds, found = 0, 0, None
+    while True:
+        rounds += 1
+        if rounds > MAX_PRICING_ROUNDS:
+            return None, found
+        _until(h, lp_deadline)
+        h.run()
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None, found  # out of time, or the restricted LP has no point: solve it whole
+        sol = np.asarray(h.getSolution().col_value)
+        if _integral(sol, integer):
+            found = np.where(np.asarray(m.integer), np.round(sol), sol)
+        duals = np.asarray(h.getSolution().row_dual)
+        reduced = cost - np.bincount(index, weights=value * duals[row_of], minlength=n)
+        enter = np.nonzero(left_out & (reduced < -DUAL_FEASIBILITY_TOL))[0]
+        if not len(enter):
+            break
+        left_out[enter] = False
+        priced_in += len(enter)
+        h.changeColsBounds(len(enter), enter.astype(np.int32), np.zeros(len(enter)), ub[enter])
+    lower = float(h.getInfo().objective_function_value)
+    if _integral(sol, integer):  # an integral LP optimum: the ILP's
+        return Solved("optimal", lower, lower, sol, rounds, priced_in, int((~left_out).sum()), True), None
+    # Reduced-cost fixing against the start (step 3): columns that could still pay rejoin.
+    if found is not None and (start is None or _dearer(m, start, found)):
+        start = found  # a restricted LP's integral optimum is a point of the whole model too
+    upper = float(np.dot(cost, start)) if start is not None else math.inf
+    rejoin = left_out & (reduced <= upper - lower + DUAL_FEASIBILITY_TOL)
+    left_out &= ~rejoin
+    h.changeColsBounds(int(rejoin.sum()), np.nonzero(rejoin)[0].astype(np.int32),
+                       np.zeros(int(rejoin.sum())), ub[rejoin])
+    ints = np.nonzero(integer)[0].astype(np.int32)
+    h.changeColsIntegrality(len(ints), ints, np.array([highspy.HighsVarType.kInteger] * len(ints)))
+    _until(h, deadline)
+    done = _run_mip(h, start, n)
+    done.bound = max(done.bound, lower)
+    done.pricing_rounds, done.priced_in, done.columns = rounds, priced_in, int((~left_out).sum())
+    return done, None
+
+
+def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
+    """Run HiGHS's MIP on the model it holds, from ``start`` if given."""
+    if start is not None:
+        h.setSolution(len(start), np.arange(len(start), dtype=np.int32), start)
+    h.run()
+    status = h.getModelStatus()
+    info = h.getInfo()
+    bound = float(info.mip_dual_bound)
+    bound = bound if math.isfinite(bound) else -math.inf
+    if info.primal_solution_status != 2:  # kSolutionStatusFeasible: no plan
+        label = "infeasible" if status == highspy.HighsModelStatus.kInfeasible else "unsolved"
+        return Solved(label, math.inf, bound, None, columns=n)
+    label = "optimal" if status == highspy.HighsModelStatus.kOptimal else "feasible"
+    return Solved(label, float(info.objective_function_value), bound,
+                  np.asarray(h.getSolution().col_value), columns=n)
+
+
+# ---- by the LP bound: interior point, rounding, a neighbourhood, reduced-cost fixing ---------
+
+# Share of the time limit the interior-point LP may take: on llama3-8b over 8x8 it needs 12-15 s
+# of one core (more on a loaded machine, the limit being wall time), and without its bound the
+# whole MIP rarely improves on the start in what is left.
+LP_BOUND_SHARE = 0.9
+# A one-hot group whose LP value is at least this is kept at its LP choice in the neighbourhood
+# MIP (RINS, Danna et al. 2005: fix what the LP relaxation already decides).
+RINS_FIX = 0.99
+# Share of the time left that the neighbourhood MIP may take (on llama3-8b it needs < 1 s).
+RINS_SHARE = 0.5
+
+
+def complete(m: Model, val: np.ndarray) -> np.ndarray:
+    """``val`` with its integer columns (and the constant) set, completed into a point of the
+    model: each edge variable 1 where both its ends are chosen, each move or block variable at
+    the largest of its rows (``Model.ends``, ``Model.t_rows``, in the order they were added)."""
+    val = val.copy()
+    for col, (src, dst) in m.ends.items():
+        val[col] = float(val[src].sum() > 0.5 and val[dst].sum() > 0.5)
+    for t, rows in m.t_rows.items():
+        val[t] = max(0.0, *(sum(c * val[e] for e, c in terms.items()) for terms in rows))
+    return val
+
+
+def violated_rows(m: Model, val: np.ndarray) -> int:
+    """How many rows ``val`` breaks (beyond HiGHS's feasibility tolerance)."""
+    activity = np.zeros(len(m.row_lb))
+    rows = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
+    np.add.at(activity, rows, np.array(m.value) * val[np.array(m.index, dtype=np.int64)])
+    lo, hi = np.array(m.row_lb), np.array(m.row_ub)
+    return int(((activity < lo - FEASIBILITY_TOL) | (activity > hi + FEASIBILITY_TOL)).sum())
+
+
+def _one_hot_groups(m: Model) -> list[np.ndarray]:
+    """The columns of each row sum_s x[r,s] = 1 (binary columns, coefficients 1)."""
+    groups = []
+    bounds = m.starts + [len(m.index)]
+    for r, (lo, hi) in enumerate(zip(m.row_lb, m.row_ub, strict=True)):
+        if lo == hi == 1.0:
+            cols = m.index[bounds[r]:bounds[r + 1]]
+            if all(m.integer[c] for c in cols) and all(v == 1.0 for v in m.value[bounds[r]:bounds[r + 1]]):
+                groups.append(np.array(cols, dtype=np.int64))
+    return groups
+
+
+@dataclass
+class _LpBound:
+    bound: float  # a lower bound on the MIP (solver units)
+    primal: np.ndarray  # the LP's (interior) point
+    reduced: np.ndarray  # the reduced costs the bound was taken with
+
+
+def _lp_bound(m: Model, unit: float, time_limit_s: float) -> _LpBound | None:
+    """The LP relaxation by HiGHS's interior point method, without crossover, and a bound
+    that holds whatever the duals' accuracy: for row duals y, every point costs at least
+    L(y) = sum_i y_i * (lo_i if y_i > 0 else hi_i) + sum_j min(rc_j * lb_j, rc_j * ub_j),
+    rc = c - A'y (Lagrangian duality), with a move or block variable's upper bound the largest
+    value its rows can force. None if the LP does not finish in time."""
+    lp = _highs_lp(m, unit)
+    lp.integrality_ = []
+    h = _highs(time_limit_s)
+    h.setOptionValue("solver", "ipm")
+    h.setOptionValue("run_crossover", "off")
+    h.passModel(lp)
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    y = np.asarray(h.getSolution().row_dual, dtype=np.float64).copy()
+    lo, hi = np.asarray(lp.row_lower_), np.asarray(lp.row_upper_)
+    y[(y > 0.0) & ~np.isfinite(lo)] = 0.0
+    y[(y < 0.0) & ~np.isfinite(hi)] = 0.0
+    row_of = np.repeat(np.arange(len(lo)), np.diff(np.array(m.starts + [len(m.index)])))
+    index, value = np.array(m.index, dtype=np.int64), np.array(m.value)
+    cost = np.asarray(lp.col_cost_)
+    reduced = cost - np.bincount(index, weights=value * y[row_of], minlength=len(cost))
+    lb, ub = np.array(m.lb), np.array(m.ub)
+    for t, rows in m.t_rows.items():  # t <= the largest sum its rows can force
+        ub[t] = max(sum(max(0.0, c) * ub[e] for e, c in terms.items()) for terms in rows)
+    rows_part = np.where(y > 0.0, y * np.where(np.isfinite(lo), lo, 0.0),
+                         y * np.where(np.isfinite(hi), hi, 0.0))
+    cols_part = np.where(reduced >= 0.0, reduced * lb, reduced * ub)
+    if not np.all(np.isfinite(cols_part)):
+        return None
+    return _LpBound(float(rows_part.sum() + cols_part.sum()), np.asarray(h.getSolution().col_value), reduced)
+
+
+def _mip(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None, upper: np.ndarray,
+         rel_gap: float = MIP_REL_GAP) -> Solved:
+    """HiGHS's MIP on ``m`` with column upper bounds ``upper`` (0 fixes a column out)."""
+    lp = _highs_lp(m, unit)
+    lp.col_upper_ = upper
+    h = _highs(time_limit_s, rel_gap)
+    h.passModel(lp)
+    return _run_mip(h, start, len(m.cost))
+
+
+def _within(point: np.ndarray | None, cost: np.ndarray, bound: float, rel_gap: float) -> bool:
+    """Whether ``point`` costs within ``rel_gap`` of ``bound``, for a gap looser than the
+    solver's own (at that, only the MIP proves the optimum)."""
+    if point is None or rel_gap <= MIP_REL_GAP:
+        return False
+    upper = float(cost @ point)
+    return upper - bound <= rel_gap * upper
+
+
+def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None,
+                      rel_gap: float = MIP_REL_GAP) -> Solved:
+    """Solve ``m`` exactly in four steps, for models whose LP is slow by simplex (the schedule
+    objective's max rows) but whose LP optimum is nearly integral:
+
+    1. the LP relaxation by interior point (``_lp_bound``): a lower bound LB, the LP point;
+    2. rounding: each one-hot group to its largest LP value, completed (``complete``);
+    3. a neighbourhood MIP (RINS): the groups the LP decides (>= RINS_FIX) fixed, the rest
+       free, from the rounded point where it is one; the cheaper of its plan and ``start`` is
+       the incumbent UB;
+    4. reduced-cost fixing: a binary or edge column with rc_j > UB - LB is 0 in every plan
+       cheaper than UB (every point costs >= LB + rc_j when it is 1; an edge variable is 0 or
+       1 at integral x), so it is fixed out, and HiGHS's MIP solves the rest from UB.
+
+    The optimum is the whole model's; the bound is the larger of LB and the last MIP's. It stops
+    early where the incumbent is within ``rel_gap`` of LB (step 3), or HiGHS of its bound. If
+    the LP does not finish within LP_BOUND_SHARE of the time, the whole MIP gets the rest."""
+    deadline = time.perf_counter() + time_limit_s
+    ub = np.array(m.ub, dtype=np.float64)
+    lp = _lp_bound(m, unit, LP_BOUND_SHARE * time_limit_s)
+    if lp is None:
+        return _mip(m, unit, max(0.0, deadline - time.perf_counter()), start, ub, rel_gap)
+    cost = np.array(m.cost) / unit
+    integer = np.array(m.integer, dtype=bool)
+    rounded = np.where(integer, 0.0, np.asarray(m.lb, dtype=np.float64))
+    rins_ub = ub.copy()
+    for cols in _one_hot_groups(m):
+        best = cols[int(np.argmax(lp.primal[cols]))]
+        rounded[best] = 1.0
+        if lp.primal[best] >= RINS_FIX:
+            rins_ub[cols] = 0.0
+            rins_ub[best] = 1.0
+    rounded = complete(m, rounded)
+    incumbent, broken = start, violated_rows(m, rounded)
+    if not broken and (incumbent is None or float(cost @ rounded) < float(cost @ incumbent)):
+        incumbent = rounded
+    log.debug("LP bound %.6g after %.2f s; rounded %.6g (%d rows broken); start %.6g", lp.bound,
+              time.perf_counter() - (deadline - time_limit_s), float(cost @ rounded), broken,
+              float(cost @ start) if start is not None else math.inf)
+    if not _within(incumbent, cost, lp.bound, rel_gap):
+        # The rounded point may break the memory row: HiGHS then looks for a point itself.
+        left = max(0.0, deadline - time.perf_counter())
+        rins = _mip(m, unit, RINS_SHARE * left, None if broken else rounded, rins_ub)
+        if rins.solution is not None and (incumbent is None or rins.objective < float(cost @ incumbent)):
+            incumbent = complete(m, np.where(integer, np.round(rins.solution), rins.solution))
+        log.debug("neighbourhood MIP: %s %.6g", rins.status, rins.objective)
+    upper = float(cost @ incumbent) if incumbent is not None else math.inf
+    if _within(incumbent, cost, lp.bound, rel_gap):  # close enough: no (more) MIP
+        return Solved("feasible", upper, lp.bound, incumbent, columns=int((rins_ub > 0.0).sum()))
+    fixable = integer.copy()
+    fixable[list(m.ends)] = True
+    fixed = fixable & (lp.reduced > upper - lp.bound + DUAL_FEASIBILITY_TOL) & (np.asarray(m.lb) == 0.0)
+    if incumbent is not None:
+        fixed &= incumbent <= 0.5  # the incumbent stays a point
+    ub[fixed] = 0.0
+    done = _mip(m, unit, max(0.0, deadline - time.perf_counter()), incumbent, ub, rel_gap)
+    done.bound = max(done.bound, lp.bound)
+    done.columns = int((~fixed).sum())
+    if done.solution is None and incumbent is not None:  # out of time: the incumbent stands
+        done = Solved("feasible", upper, lp.bound, incumbent, columns=done.columns)
+    return done

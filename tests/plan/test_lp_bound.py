@@ -1,0 +1,76 @@
+"""The schedule objective's solve from its interior-point LP bound (``solver.solve_by_lp_bound``)
+is exact: the same optimum as HiGHS's MIP on the whole model, with a bound that is a bound, on
+small configs; under a tight memory budget too; and a relative gap stops it early only within
+that gap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardwise.cost.step import torchtitan_options
+from shardwise.plan import ilp, solver
+from shardwise.plan.objective import ScheduleObjective
+from shardwise.plan.planner import default_budget
+from tests.plan.test_pricing import CASES, REL, TIME_LIMIT_S, _problem
+
+LOOSE_GAP = 0.5
+
+
+def _solve(problem, budget: float, **kw):
+    tr, ns, clus, costs = problem
+    schedule = ScheduleObjective(tr, clus, costs, torchtitan_options(tr))
+    return ilp.solve(tr, ns, clus, costs, memory_budget=budget, time_limit_s=TIME_LIMIT_S, schedule=schedule,
+                     **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, mesh, shape = CASES["llama-tiny 4"]
+    return _problem(model, mesh, **shape), mesh
+
+
+@pytest.mark.parametrize("case", ["llama-tiny 4", "hf qwen2 2x2"])
+def test_the_lp_bound_solve_finds_the_whole_models_optimum(case):
+    model, mesh, shape = CASES[case]
+    problem = _problem(model, mesh, **shape)
+    by_bound = _solve(problem, default_budget(mesh))
+    whole = _solve(problem, default_budget(mesh), pricing=False)
+    assert whole.status == by_bound.status == "optimal"
+    assert by_bound.objective_s == pytest.approx(whole.objective_s, rel=REL)
+    assert by_bound.bound_s <= by_bound.objective_s
+    # reduced-cost fixing left the last MIP fewer columns than the model has
+    assert by_bound.stats["columns_solved"] < by_bound.n_vars
+
+
+@pytest.mark.parametrize("times_floor", [1.2, 1.5])
+def test_under_a_tight_budget_the_lp_bound_solve_is_exact(tiny, times_floor):
+    problem, _ = tiny
+    tr, ns, clus, costs = problem
+    floor = ilp.solve(tr, ns, clus, costs, memory_budget=1.0, time_limit_s=TIME_LIMIT_S).min_memory_bytes
+    whole = _solve(problem, times_floor * floor, pricing=False)
+    by_bound = _solve(problem, times_floor * floor)
+    assert whole.status == by_bound.status == "optimal"
+    assert by_bound.objective_s == pytest.approx(whole.objective_s, rel=REL)
+
+
+def test_a_loose_gap_stops_within_it(tiny):
+    problem, mesh = tiny
+    whole = _solve(problem, default_budget(mesh), pricing=False)
+    early = _solve(problem, default_budget(mesh), rel_gap=LOOSE_GAP)
+    assert early.objective_s >= whole.objective_s * (1 - REL)
+    assert early.bound_s <= whole.objective_s * (1 + REL)
+    assert early.objective_s - early.bound_s <= LOOSE_GAP * early.objective_s
+
+
+def test_the_lp_bound_holds_for_any_duals():
+    """min x0 + 2 x1 s.t. x0 + x1 = 1 (one-hot), x in {0,1}: the optimum is 1; the bound from
+    the interior point's duals is at most it, and close to it (the LP is tight here)."""
+    m = solver.Model()
+    a, b = m.var(1.0), m.var(2.0)
+    m.row(1.0, 1.0, {a: 1.0, b: 1.0})
+    got = solver._lp_bound(m, 1.0, TIME_LIMIT_S)
+    assert got is not None and got.bound <= 1.0 + 1e-9 and got.bound == pytest.approx(1.0, abs=1e-4)
+    done = solver.solve_by_lp_bound(m, 1.0, TIME_LIMIT_S, None)
+    assert done.status == "optimal" and np.round(done.solution).tolist() == [1.0, 0.0]
+
