@@ -140,7 +140,7 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
         raise UserError(f"unknown optimizer {args.optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}.")
     budget = parse_bytes(args.memory) if args.memory else None
     opts = step_options(args, mesh.names)
-    if args.inference and (args.ac != "none" or args.compile or args.async_tp):
+    if args.inference and (args.ac not in (None, "none") or args.compile or args.async_tp):
         raise UserError("--ac, --compile and --async-tp price a training step; drop them with --inference.")
     t0 = time.perf_counter()
     traced = trace_model(args.model, train=not args.inference, layers=args.layers, batch=args.batch,

@@ -24,6 +24,7 @@ from shardwise.cost.units import format_bytes
 from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
+from shardwise.passes.remat import ACPolicy
 from shardwise.plan.baselines import BASELINES, BaselineSpec, baseline_spec, node_filter, tensor_parallel_uses
 from shardwise.plan.cluster import Clustering, cluster, no_clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
@@ -115,7 +116,9 @@ def make_plan(
         from shardwise.cost.step import torchtitan_options
         from shardwise.plan.objective import ScheduleObjective
 
-        linearised = ScheduleObjective(traced, clus, costs, torchtitan_options(traced, **step_options))
+        fixed_ac = step_options.get("ac") or ACPolicy.NONE
+        linearised = ScheduleObjective(traced, clus, costs,
+                                       torchtitan_options(traced, **{**step_options, "ac": fixed_ac}))
     res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
                 start=start.choice if start is not None else None, schedule=linearised)
     if start is not None:
