@@ -55,8 +55,9 @@ AC_CHOICES = ("none", "selective", "full")
 
 def add_step_options(p: argparse.ArgumentParser) -> None:
     """How the training step runs, as the step schedule prices it (shared by plan and estimate)."""
-    p.add_argument("--ac", default=None, help="activation checkpointing of every layer: none, selective or "
-                   "full (default: plan chooses per layer; estimate runs the plan's choice, none for a hand plan)")
+    p.add_argument("--ac", default=None,
+                   help="activation checkpointing of every layer: none, selective or full (default: plan "
+                   "chooses per layer; estimate runs the plan's choice, none for a hand plan)")
     p.add_argument("--compile", action="store_true",
                    help="price memory-bound work as torch.compile's fused kernels")
     p.add_argument("--async-tp", action="store_true",

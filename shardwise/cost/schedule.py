@@ -29,11 +29,12 @@ by every reader; a consumer starts when its inputs have arrived.
   fused with the matmul: the consumer is held back only by what the ring cannot hide,
   ``(W - 1) * max(0, hop - chunk)`` (``cost/overlap.py``'s collective-matmul price).
 
-Activation checkpointing (``ac``: one policy, or one per decoder layer): the policy's recomputed forward nodes (``recompute_plan``)
-run again at the start of their layer's backward, their collectives included; ``recompute_s``
-reports their time. With ``compile`` the memory-bound recomputation fuses into the backward's
-kernels (Inductor's partitioner recomputes pointwise ops rather than saving them), so it costs no
-kernel of its own, and memory-bound forward values are not kept for the backward.
+Activation checkpointing (``ac``: one policy, or one per decoder layer): the policy's recomputed
+forward nodes (``recompute_plan``) run again at the start of their layer's backward, their
+collectives included; ``recompute_s`` reports their time. With ``compile`` the memory-bound
+recomputation fuses into the backward's kernels (Inductor's partitioner recomputes pointwise ops
+rather than saving them), so it costs no kernel of its own, and memory-bound forward values are
+not kept for the backward.
 
 Memory: static (parameters and optimizer state, ``param_bytes`` + ``optimizer_state_bytes`` per
 local element) plus every buffer alive at each point of the schedule, each a ``Lifetime`` (its

@@ -91,11 +91,13 @@ class ACGroup:
                              f"{self.selective} selective and {self.full} full")
 
     def count(self, policy: ACPolicy) -> int:
-        return {ACPolicy.NONE: self.none, ACPolicy.SELECTIVE: self.selective, ACPolicy.FULL: self.full}[policy]
+        return {ACPolicy.NONE: self.none, ACPolicy.SELECTIVE: self.selective,
+                ACPolicy.FULL: self.full}[policy]
 
     def policies(self) -> dict[int, ACPolicy]:
         """Layer index -> its policy (see the class docstring)."""
-        order = [ACPolicy.FULL] * self.full + [ACPolicy.SELECTIVE] * self.selective + [ACPolicy.NONE] * self.none
+        order = ([ACPolicy.FULL] * self.full + [ACPolicy.SELECTIVE] * self.selective
+                 + [ACPolicy.NONE] * self.none)
         return dict(zip(sorted(self.layers), order, strict=True))
 
 

@@ -50,9 +50,11 @@ def test_mixed_layers_price_between_none_and_full(setup):
     mixed = _estimate(setup, MIXED.layer_policies())
     assert none.step_s < mixed.step_s < full.step_s
     assert 0.0 == none.recompute_s < mixed.recompute_s < full.recompute_s
-    assert full.memory_allocated_peak_bytes < mixed.memory_allocated_peak_bytes < none.memory_allocated_peak_bytes
+    peak = [e.memory_allocated_peak_bytes for e in (full, mixed, none)]
+    assert peak == sorted(set(peak))
     # Every layer one policy: exactly that policy.
-    same = _estimate(setup, ACChoice.uniform(sorted(regions_layers(setup[0])), ACPolicy.FULL).layer_policies())
+    every = ACChoice.uniform(sorted(regions_layers(setup[0])), ACPolicy.FULL)
+    same = _estimate(setup, every.layer_policies())
     assert same.step_s == full.step_s and same.memory_per_device_bytes == full.memory_per_device_bytes
 
 

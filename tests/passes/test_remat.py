@@ -460,10 +460,9 @@ def test_layer_policies_of_another_depth_are_one_sentence(llama):
 def test_lowered_program_runs_mixed_layers_on_gloo():
     """The per-rank FSDP x TP program with the first layer fully checkpointed and the second not,
     on 4 gloo ranks: the same loss and gradients as the single-process step."""
-    from shardwise.cli.run import make_plan_for
+    from shardwise.cli.run import make_plan_for, with_remat
     from shardwise.lower import lower
     from shardwise.mesh import parse_mesh
-    from shardwise.cli.run import with_remat
     from shardwise.runtime.launch import run_many
 
     traced = _canonical("llama-tiny")
