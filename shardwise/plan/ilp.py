@@ -34,6 +34,10 @@ Memory per device, <= budget. Training:
   + sum_{forward nodes read by backward} copies * sum_s x * local_bytes(out(s))
 Inference: the parameters' local bytes (a replicated 70B model does not fit an 80 GB device).
 
+Activation checkpointing (``checkpointing.py``, training): per cluster of identical layers, how
+many run none / selective / full, with the recomputation in the objective and the saved bytes
+in the memory row in place of the layers' activations above.
+
 Start point: a hand plan's choices (one strategy per deciding representative) fix x; each e is
 then 1 on the one pair its ends choose and each t the largest of its rows, a complete point that
 is checked against every row before HiGHS gets it as its first incumbent (``_start_vector``).
@@ -45,7 +49,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import highspy
@@ -64,7 +68,9 @@ from shardwise.plan.strategies import NodeStrategies, Strategy, intern
 from shardwise.stdio import native_stdout_silenced
 
 if TYPE_CHECKING:
+    from shardwise.plan.checkpointing import CheckpointingModel
     from shardwise.plan.objective import ScheduleObjective
+    from shardwise.plan.plan import ACChoice
 
 log = logging.getLogger(__name__)
 GRAD_SINK = -1  # argument index of a gradient -> parameter-placement edge
@@ -92,6 +98,8 @@ class MemoryModel:
 
     optimizer_state_bytes: int = OPTIMIZER_STATE_BYTES["adam"]
     include_activations: bool = True
+    # Nodes whose saved bytes another model counts (``checkpointing.py``: the decoder layers').
+    exclude: frozenset[str] = frozenset()
 
     def bytes_per_byte(self, traced: Traced, node: fx.Node) -> float:
         """Device bytes per byte of ``node``'s value held for the step: a parameter with its
@@ -102,6 +110,7 @@ class MemoryModel:
         if node.op == "placeholder" and node.name in traced.params.values():
             return 2.0 + self.optimizer_state_bytes / val.element_size() if traced.train else 1.0
         saved = (traced.train and self.include_activations and node.op == "call_function"
+                 and node.name not in self.exclude
                  and not is_view(node) and traced.phase(node) is Phase.FORWARD
                  and any(traced.phase(u) is Phase.BACKWARD for u in node.users))
         return 1.0 if saved else 0.0
@@ -120,6 +129,8 @@ class IlpResult:
     min_memory_bytes: int | None = None
     bound_s: float = 0.0  # the solver's lower bound on the optimum (seconds)
     start_s: float | None = None  # the objective at the start point handed to the solver, if any
+    ac: ACChoice | None = None  # the activation checkpointing chosen (with a checkpointing model)
+    memory_bytes: float | None = None  # the memory row at the solution (with a budget)
 
 
 @dataclass
@@ -147,6 +158,10 @@ class _Model:
             self.cost[col] += seconds
         else:
             self.objective.charge(col, seconds, tag)
+
+    def add_cost(self, col: int, seconds: float, _tag: object = None) -> None:
+        """``seconds`` on column ``col`` in the serial sum."""
+        self.cost[col] += seconds
 
     def var(self, cost: float, ub: float = 1.0, integer: bool = True, lb: float = 0.0) -> int:
         self.cost.append(cost)
@@ -210,12 +225,15 @@ def _strategy_vars(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[lis
 def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
           *, memory_budget: float | None = None, memory: MemoryModel | None = None,
           time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None,
-          schedule: ScheduleObjective | None = None) -> IlpResult:
+          schedule: ScheduleObjective | None = None, checkpointing: CheckpointingModel | None = None,
+          start_ac: ACChoice | None = None) -> IlpResult:
     """Solve the placement ILP. ``start`` (deciding representative -> strategy index, e.g. a
     hand plan's choices) is handed to HiGHS as its first incumbent: the solver completes the
     continuous edge variables and, if the point is feasible, never returns anything worse, so
     a time limit costs only optimality. ``schedule``: the schedule objective
-    (``plan/objective.py``) in place of the serial sum."""
+    (``plan/objective.py``) in place of the serial sum. ``checkpointing``: activation
+    checkpointing decided per cluster of layers (``plan/checkpointing.py``); ``start_ac`` the
+    start point's."""
     t0 = time.perf_counter()
     memory = memory or MemoryModel()
     m = _Model(objective=schedule)
@@ -291,9 +309,16 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         for part in [list(keys)] if schedule is None else schedule.split(list(keys)):
             _charge_moves(m, [moves[k] for k in part], n, part)
 
+    ck_mem: dict[int, float] = {}
+    if checkpointing is not None:
+        memory = replace(memory, exclude=checkpointing.excluded())
+        ck_mem = checkpointing.build(m, ns, xs, lambda n: _supply(ns, xs, clus, n),
+                                     schedule.charge_recompute if schedule is not None else m.add_cost)
     min_mem = None
     if memory_budget is not None:
         mem_terms, min_mem = _memory_terms(traced, ns, xs, clus, costs, memory)
+        for v, b in ck_mem.items():
+            mem_terms[v] = mem_terms.get(v, 0.0) + b
         m.row(-math.inf, float(memory_budget) / MEMORY_UNIT_BYTES,
               {v: b / MEMORY_UNIT_BYTES for v, b in mem_terms.items()})
     if schedule is not None:
@@ -313,6 +338,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     start_s = None
     if start is not None:
         val = _start_vector(m, deciding, start, one)
+        if checkpointing is not None:
+            checkpointing.complete(val, start_ac)
         bad = _violated_rows(m, val)
         if bad:
             log.warning("the start point breaks %d rows of the placement ILP; solving without it", bad)
@@ -335,6 +362,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         return IlpResult(label, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem,
                          bound_s=_bound_s(float(info.mip_dual_bound)), start_s=start_s)
     sol = np.asarray(h.getSolution().col_value)
+    mem_at = sum(b * float(sol[v]) for v, b in mem_terms.items()) if memory_budget is not None else None
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
     objective = float(info.objective_function_value) * OBJECTIVE_UNIT_S
     if schedule is not None:  # exact at the point (a time limit may stop refine short)
@@ -346,7 +374,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     # The relative gap from the normalised bound (HiGHS says inf while it has no bound).
     gap = 0.0 if label == "optimal" or objective <= 0.0 else (objective - bound) / objective
     return IlpResult(label, objective, gap, choice, nv, nr, build_s, solve_s, min_mem, bound_s=bound,
-                     start_s=start_s)
+                     start_s=start_s, ac=checkpointing.choice(sol) if checkpointing is not None else None,
+                     memory_bytes=mem_at)
 
 
 def _highs_lp(m: _Model) -> highspy.HighsLp:

@@ -30,7 +30,15 @@ from shardwise.plan.cluster import Clustering, cluster, no_clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, IlpResult, MemoryModel, chosen_strategy, solve
 from shardwise.plan.placement import Placements, on_mesh, placements_str
-from shardwise.plan.plan import CollectiveCount, Estimate, NodeSpec, Plan, graph_fingerprint, tensor_args
+from shardwise.plan.plan import (
+    ACChoice,
+    CollectiveCount,
+    Estimate,
+    NodeSpec,
+    Plan,
+    graph_fingerprint,
+    tensor_args,
+)
 from shardwise.plan.strategies import NodeStrategies, Strategy, enumerate_strategies
 
 log = logging.getLogger(__name__)
@@ -109,18 +117,26 @@ def make_plan(
     costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
     say(f"solving the placement ILP (limit {time_limit_s:g} s)")
     points = _points(traced, ns, clus, start_from, budget)
-    start = _Start(points[0][1], _objective_s(points[0][0])) if points else None
+    start = _Start(points[0][1], _objective_s(points[0][0]), points[0][0].ac) if points else None
     started_from = points[0][0].name if points else None
-    linearised = None
+    linearised = checkpointing = None
     if step_options is not None and traced.train:
         from shardwise.cost.step import torchtitan_options
         from shardwise.plan.objective import ScheduleObjective
 
-        fixed_ac = step_options.get("ac") or ACPolicy.NONE
+        given = step_options.get("ac")
+        if given is not ACPolicy.NONE:
+            # Decided per cluster of layers (None), or one policy fixed: the ILP prices the
+            # recomputation and the saved bytes itself (plan/checkpointing.py).
+            from shardwise.plan.checkpointing import CheckpointingModel
+
+            checkpointing = CheckpointingModel(traced, clus, costs, fixed=given,
+                                               compile=bool(step_options.get("compile")))
         linearised = ScheduleObjective(traced, clus, costs,
-                                       torchtitan_options(traced, **{**step_options, "ac": fixed_ac}))
+                                       torchtitan_options(traced, **{**step_options, "ac": ACPolicy.NONE}))
     res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
-                start=start.choice if start is not None else None, schedule=linearised)
+                start=start.choice if start is not None else None, schedule=linearised,
+                checkpointing=checkpointing, start_ac=start.ac if start is not None else None)
     if start is not None:
         res = _never_worse(res, start)
     timings["ilp_build_s"] = res.build_s
@@ -142,7 +158,10 @@ def make_plan(
     plan.params = {p: plan.nodes[ph].output[0] for p, ph in traced.params.items()}
     plan.outputs = _output_placements(traced, plan, mesh)
     plan.fallback_ops = sorted({str(n.target) for n, st in ns.items() if st.fallback})
+    plan.ac = res.ac
     est = estimate(traced, plan, costs, memory).total_s
+    if res.memory_bytes is not None and checkpointing is not None:
+        plan.estimate.memory_bytes = int(res.memory_bytes)  # the saved bytes as the AC chosen holds them
     objective_kind = "serial" if linearised is None else "schedule"
     objective = res.objective_s
     if objective_kind == "serial" and res.status != "optimal" and est < objective:
@@ -160,6 +179,8 @@ def make_plan(
         "ilp": {"variables": res.n_vars, "constraints": res.n_rows, "clusters": len(clus.clusters),
                 "representatives": len(clus.representatives), "nodes": len(clus.rep)},
     }
+    if checkpointing is not None:
+        plan.info["ilp"]["checkpointing"] = {**checkpointing.stats, "decided": checkpointing.fixed is None}
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
     return plan
@@ -182,20 +203,94 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
     constraints = options.pop("constraints", None)
     _fixed_placeholders(traced, None, constraints)  # refuse a bad constraint before the baselines
     plans: dict[str, Plan | None] = {}
-    options["step_options"] = step_options or {}
+    step_options = step_options or {}
+    options["step_options"] = step_options
+    decide = traced.train and step_options.get("ac") is None
+    limit = _schedule_limit(mesh, options.get("memory_budget"))
     for name in baselines:
         say(f"pricing the {name} baseline")
-        plans[name] = make_plan(traced, mesh, baseline=name, **options)
+        plans[name] = (_baseline_with_ac(traced, mesh, name, limit, options) if decide
+                       else make_plan(traced, mesh, baseline=name, **options))
     starts = [b for b in plans.values() if b is not None and b.status not in NO_PLAN]
     auto = make_plan(traced, mesh, constraints=constraints, on_phase=on_phase, start_from=starts, **options)
+    if decide and auto.status not in NO_PLAN:
+        say("fitting the activation checkpointing to the step's memory")
+        auto = _fit_by_schedule(traced, mesh, auto, limit, constraints, starts, options)
     if traced.train and auto.status not in NO_PLAN:
         say("laying each plan's step out on streams")
-        auto = _fastest_by_schedule(traced, mesh, auto, plans, step_options or {})
+        auto = _fastest_by_schedule(traced, mesh, auto, plans, step_options, limit)
     return auto, plans
 
 
+# Policies in the order of their recomputation: a hand plan runs the first that fits (torchtitan
+# users turn activation checkpointing up until the step fits).
+AC_LADDER = (ACPolicy.NONE, ACPolicy.SELECTIVE, ACPolicy.FULL)
+# Solves after the first when the step schedule says the ILP's plan does not fit: each lowers
+# the ILP's budget by the overshoot (its memory row leaves out transients, gathered parameters
+# and the allocator's cache, which the schedule counts).
+FIT_ROUNDS = 3
+# The overshoot is taken off the budget with this margin (the schedule's peak is not linear in
+# the saved bytes: the allocator rounds and caches).
+FIT_MARGIN = 1.1
+
+
+def _schedule_limit(mesh: Mesh, memory_budget: float | None) -> float:
+    """The peak the step schedule checks a plan against: the user's budget, else the device's."""
+    return get_hardware(mesh.hardware).mem_capacity if memory_budget is None else float(memory_budget)
+
+
+def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, options: dict) -> Plan | None:
+    """The hand plan ``name`` run with the first policy of ``AC_LADDER`` whose step fits
+    ``limit`` by the schedule (every layer the same, as torchtitan configures it); the last
+    that solved where none fits. None where it does not apply."""
+    from shardwise.cost.step import price_plan
+
+    last = None
+    for policy in AC_LADDER:
+        so = {**options["step_options"], "ac": policy}
+        plan = make_plan(traced, mesh, baseline=name, **{**options, "step_options": so})
+        if plan is None:
+            return None
+        if plan.status in NO_PLAN:
+            last = last or plan
+            continue
+        if plan.ac is None:
+            from shardwise.cost.step import regions_layers
+
+            plan.ac = ACChoice.uniform(sorted(regions_layers(traced)), policy)
+        last = plan
+        if price_plan(traced, plan, mesh, options["step_options"], limit).fits:
+            break
+    return last
+
+
+def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, constraints,
+                     starts: list[Plan], options: dict) -> Plan:
+    """Re-solve with a lower ILP budget while the step schedule says the plan does not fit
+    (see ``FIT_ROUNDS``); the last plan solved, or the first that fits."""
+    from shardwise.cost.step import price_plan
+
+    budget = auto.info["memory_budget_bytes"]
+    for _ in range(FIT_ROUNDS):
+        est = price_plan(traced, auto, mesh, options["step_options"], limit)
+        if est.fits:
+            return auto
+        budget -= (est.memory_per_device_bytes - limit) * FIT_MARGIN
+        if budget <= 0:
+            return auto
+        log.info("the plan's step needs %s, over %s: solving again within %s",
+                 format_bytes(est.memory_per_device_bytes), format_bytes(limit), format_bytes(budget))
+        again = make_plan(traced, mesh, constraints=constraints, start_from=starts,
+                          **{**options, "memory_budget": budget})
+        if again.status in NO_PLAN:
+            return auto
+        again.info["memory_budget_bytes"] = budget
+        auto = again
+    return auto
+
+
 def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str, Plan | None],
-                         step_options: dict) -> Plan:
+                         step_options: dict, limit: float | None = None) -> Plan:
     """Price ``auto`` and every hand plan by the step schedule (``plan.info["schedule"]``);
     the auto plan is the fastest of the ILP's solution and the admissible hand plans. A hand
     plan that wins is returned as the auto plan, with ``chosen_from`` naming it and
@@ -205,14 +300,17 @@ def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str,
     # A hand plan must be faster by more than this relative margin to replace the ILP's plan
     # (float rounding of the schedule's sums).
     tie = 1e-9
-    price_plan(traced, auto, mesh, step_options)
+    price_plan(traced, auto, mesh, step_options, limit)
     for b in hand.values():
         if b is not None and b.status not in NO_PLAN:
-            price_plan(traced, b, mesh, step_options)
+            price_plan(traced, b, mesh, step_options, limit)
     best = auto
     for name in auto.info.get("admissible", []):
         b = hand[name]
-        if b.info["schedule"]["step_s"] < best.info["schedule"]["step_s"] * (1.0 - tie):
+        s, t = b.info["schedule"], best.info["schedule"]
+        # A plan that fits beats one that does not; then the faster.
+        faster = s["step_s"] < t["step_s"] * (1.0 - tie)
+        if (s["fits"] and not t["fits"]) or (s["fits"] == t["fits"] and faster):
             best = b
     if best is auto:
         auto.info["chosen_from"] = "ilp"
@@ -247,6 +345,7 @@ class _Start:
 
     choice: dict[fx.Node, int]
     objective_s: float
+    ac: ACChoice | None = None
 
 
 def _points(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
@@ -284,7 +383,7 @@ def _never_worse(res: IlpResult, start: _Start) -> IlpResult:
     bound = min(res.bound_s, price)
     gap = (price - bound) / price if price > 0.0 else 0.0
     return replace(res, status="feasible" if gap > tie else "optimal", objective_s=price,
-                   mip_gap=gap, bound_s=bound, choice=start.choice)
+                   mip_gap=gap, bound_s=bound, choice=start.choice, ac=start.ac)
 
 
 def _choices_of(plan: Plan, ns: dict[fx.Node, NodeStrategies], clus: Clustering) -> dict[fx.Node, int] | None:
