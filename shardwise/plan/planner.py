@@ -11,6 +11,7 @@ which is also how the report's collectives and memory are computed.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -174,8 +175,10 @@ def make_plan(
         "objective_s": objective, "objective": objective_kind, "bound_s": res.bound_s,
         "started_from": started_from,
         "start_s": res.start_s, "timings": timings, "memory_budget_bytes": budget,
-        # The hand plans that are points of this ILP (they fit and keep the constraints).
+        # The hand plans that are points of this ILP (they fit and keep the constraints), and
+        # those that keep the constraints whatever the ILP's memory row says of them.
         "admissible": [p.name for p, _ in points],
+        "eligible": [p.name for p, _ in _points(traced, ns, clus, start_from, math.inf)],
         "ilp": {"variables": res.n_vars, "constraints": res.n_rows, "clusters": len(clus.clusters),
                 "representatives": len(clus.representatives), "nodes": len(clus.rep)},
     }
@@ -218,20 +221,24 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
         auto = _fit_by_schedule(traced, mesh, auto, limit, constraints, starts, options)
     if traced.train and auto.status not in NO_PLAN:
         say("laying each plan's step out on streams")
-        auto = _fastest_by_schedule(traced, mesh, auto, plans, step_options, limit)
+        # Deciding the checkpointing, whether a hand plan fits is the schedule's to say (the
+        # ILP's memory row is a model of it): every hand plan that keeps the constraints runs.
+        auto = _fastest_by_schedule(traced, mesh, auto, plans, step_options, limit,
+                                    "eligible" if decide else "admissible")
     return auto, plans
 
 
 # Policies in the order of their recomputation: a hand plan runs the first that fits (torchtitan
 # users turn activation checkpointing up until the step fits).
 AC_LADDER = (ACPolicy.NONE, ACPolicy.SELECTIVE, ACPolicy.FULL)
-# Solves after the first when the step schedule says the ILP's plan does not fit: each lowers
-# the ILP's budget by the overshoot (its memory row leaves out transients, gathered parameters
-# and the allocator's cache, which the schedule counts).
+# Solves after the first that set the ILP's budget from the step schedule of its last plan: the
+# ILP's memory row holds the state and the saved activations, not the transients, the gathered
+# parameters nor the allocator's cache, which the schedule counts (``_fit_by_schedule``).
 FIT_ROUNDS = 3
-# The overshoot is taken off the budget with this margin (the schedule's peak is not linear in
-# the saved bytes: the allocator rounds and caches).
-FIT_MARGIN = 1.1
+# Head room kept under the limit when the budget is set from the schedule, and the smallest
+# change of budget worth a solve, as fractions of the limit (the schedule's peak is not exactly
+# linear in the saved bytes: the allocator rounds and caches).
+FIT_SLACK = 0.01
 
 
 def _schedule_limit(mesh: Mesh, memory_budget: float | None) -> float:
@@ -266,31 +273,35 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
 
 def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, constraints,
                      starts: list[Plan], options: dict) -> Plan:
-    """Re-solve with a lower ILP budget while the step schedule says the plan does not fit
-    (see ``FIT_ROUNDS``); the last plan solved, or the first that fits."""
+    """Solve again with the ILP's budget set from the step schedule of its last plan: the limit
+    less what the schedule holds beyond the ILP's memory row (``FIT_ROUNDS`` at most, while the
+    budget moves); the fastest plan that fits by the schedule, else the last one solved."""
     from shardwise.cost.step import price_plan
 
     budget = auto.info["memory_budget_bytes"]
-    for _ in range(FIT_ROUNDS):
+    best: tuple[float, Plan] | None = None
+    for k in range(FIT_ROUNDS + 1):
         est = price_plan(traced, auto, mesh, options["step_options"], limit)
-        if est.fits:
-            return auto
-        budget -= (est.memory_per_device_bytes - limit) * FIT_MARGIN
-        if budget <= 0:
-            return auto
-        log.info("the plan's step needs %s, over %s: solving again within %s",
-                 format_bytes(est.memory_per_device_bytes), format_bytes(limit), format_bytes(budget))
+        if est.fits and (best is None or est.step_s < best[0]):
+            best = (est.step_s, auto)
+        unmodelled = est.memory_per_device_bytes - auto.estimate.memory_bytes
+        new = limit * (1.0 - FIT_SLACK) - unmodelled
+        settled = abs(new - budget) <= FIT_SLACK * limit
+        if k == FIT_ROUNDS or new <= 0.0 or settled or (est.fits and new < budget):
+            break  # no budget left, no change worth a solve, or a fitting plan a lower one cannot beat
+        log.info("the step holds %s beyond the ILP's memory row: solving again within %s",
+                 format_bytes(unmodelled), format_bytes(new))
+        budget = new
         again = make_plan(traced, mesh, constraints=constraints, start_from=starts,
                           **{**options, "memory_budget": budget})
         if again.status in NO_PLAN:
-            return auto
-        again.info["memory_budget_bytes"] = budget
+            break
         auto = again
-    return auto
+    return best[1] if best is not None else auto
 
 
 def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str, Plan | None],
-                         step_options: dict, limit: float | None = None) -> Plan:
+                         step_options: dict, limit: float | None = None, among: str = "admissible") -> Plan:
     """Price ``auto`` and every hand plan by the step schedule (``plan.info["schedule"]``);
     the auto plan is the fastest of the ILP's solution and the admissible hand plans. A hand
     plan that wins is returned as the auto plan, with ``chosen_from`` naming it and
@@ -305,7 +316,7 @@ def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str,
         if b is not None and b.status not in NO_PLAN:
             price_plan(traced, b, mesh, step_options, limit)
     best = auto
-    for name in auto.info.get("admissible", []):
+    for name in auto.info.get(among, []):
         b = hand[name]
         s, t = b.info["schedule"], best.info["schedule"]
         # A plan that fits beats one that does not; then the faster.
