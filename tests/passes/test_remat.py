@@ -475,3 +475,27 @@ def test_lowered_program_runs_mixed_layers_on_gloo():
     assert base.max_rel_err <= MAX_REL_ERR and res.max_rel_err <= MAX_REL_ERR
     assert res.loss == base.loss
     assert res.saved_activation_bytes < base.saved_activation_bytes
+
+
+@pytest.mark.slow
+def test_run_executes_the_ac_a_plan_file_records(tmp_path):
+    """``shardwise run --plan plan.json`` without --ac runs the plan's per-layer choice (one layer
+    full, one none) and checks loss and gradients against the single-process step."""
+    from shardwise.cli.run import make_plan_for
+    from shardwise.mesh import parse_mesh
+    from shardwise.plan.plan import ACChoice, ACGroup
+
+    traced = _canonical("llama-tiny")
+    plan = make_plan_for("fsdp", traced, parse_mesh("2", None, "h100"), "llama-tiny", True)
+    plan.ac = ACChoice((ACGroup((0, 1), none=1, selective=0, full=1),))
+    path = tmp_path / "mixed.json"
+    plan.save(path)
+    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--model", "llama-tiny", "--layers", "2",
+                        "--mesh", "2", "--plan", str(path), "--check", "--json", "--timeout", "120"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ac"]["policy"] == "none x 1, full x 1" and out["ac"]["recomputed_nodes"] > 0
+    assert out["max_rel_err"] <= MAX_REL_ERR
+    saved = out["ac"]["saved_activation_bytes"]
+    assert saved["with"] < saved["without"]

@@ -1,0 +1,116 @@
+"""Does the planner, choosing activation checkpointing itself, match torchtitan's hand plans?
+
+    .venv/bin/python benchmarks/ac_plan.py [--rows 8b-8,8b-64,70b-256] [--time-limit 60]
+
+Issue 15's acceptance line: the torchtitan configurations of issue 10 (``benchmarks/fidelity.py``:
+Llama 3.1 8B on 8 GPUs FSDP local batch 2, eager and compiled; 8B on 64 GPUs FSDP 8 x TP 8 local
+batch 12, compiled, with and without async TP; 70B on 256 GPUs FSDP 32 x TP 8 local batch 16,
+compiled, with and without async TP; sequence 8192, bf16) on their 96 GB H100 (``h100-96gb``):
+the auto plan fits, with activation checkpointing chosen by the ILP (``plan/checkpointing.py``),
+and is estimated at least as fast as the faithful hand plan.
+
+Each row prints
+
+- the faithful hand plan as torchtitan runs it (``fsdp`` or ``fsdp_tp_sp``, its AC: selective for
+  8B, full for 70B), priced as ``benchmarks/fidelity.py`` prices it: tokens/s per GPU, peak
+  memory (the caching allocator's reserved peak), whether it fits 96 GB;
+- the auto plan (``shardwise plan`` without ``--ac``: the planner decides the AC per cluster of
+  identical layers; the hand plans it compares with run the first of none/selective/full that
+  fits), priced by the same step schedule: tokens/s, memory, fits, the AC chosen;
+- auto / hand tokens/s, and the wall time of planning (tracing excluded).
+
+Every model is traced at its full depth (the AC choice names every layer), unlike
+``fidelity.py``'s 70B rows, which extrapolate from 3 and 5 layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+from fidelity import C8, C64, C256, SEQ, Config
+from rich.console import Console
+from rich.table import Table
+
+from shardwise.cost.hardware import get_hardware
+from shardwise.cost.step import estimate_prepared, plan_for, price_plan, regions_layers, tokens_per_step
+from shardwise.ir.trace import trace_model
+from shardwise.mesh import parse_mesh
+from shardwise.passes.pipeline import canonicalize
+from shardwise.passes.remat import ACPolicy
+from shardwise.plan.planner import plan_with_baselines
+
+HARDWARE = "h100-96gb"
+GIB = 2**30
+TABLE_WIDTH = 190
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    config: Config
+    ac: ACPolicy  # torchtitan's
+    compile: bool
+    async_tp: bool
+
+
+GROUPS = {
+    "8b-8": [Row("8B 8 GPU FSDP lb2 eager", C8, ACPolicy.SELECTIVE, False, False),
+             Row("8B 8 GPU FSDP lb2 compiled", C8, ACPolicy.SELECTIVE, True, False)],
+    "8b-64": [Row("8B 64 GPU FSDP8xTP8 lb12 compiled", C64, ACPolicy.SELECTIVE, True, False),
+              Row("8B 64 GPU FSDP8xTP8 lb12 compiled async TP", C64, ACPolicy.SELECTIVE, True, True)],
+    "70b-256": [Row("70B 256 GPU FSDP32xTP8 lb16 compiled", C256, ACPolicy.FULL, True, False),
+                Row("70B 256 GPU FSDP32xTP8 lb16 compiled async TP", C256, ACPolicy.FULL, True, True)],
+}
+
+
+def measure(row: Row, traced, mesh, time_limit_s: float) -> dict:
+    cfg = row.config
+    hw = get_hardware(HARDWARE)
+    opts = {"compile": row.compile, "async_tp": row.async_tp}
+    hand = plan_for(traced, mesh, cfg.plan)
+    h = estimate_prepared([(traced, hand)], cfg.layers, tokens_per_step(traced), mesh, hw,
+                          {**opts, "ac": row.ac})
+    t0 = time.perf_counter()
+    auto, _ = plan_with_baselines(traced, mesh, step_options=opts, time_limit_s=time_limit_s)
+    plan_s = time.perf_counter() - t0
+    a = price_plan(traced, auto, mesh, opts)
+    return {"hand": h, "auto": a, "plan": auto, "plan_s": plan_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=",".join(GROUPS), help="comma-separated: " + ", ".join(GROUPS))
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    args = ap.parse_args()
+    con = Console(width=TABLE_WIDTH)
+    t = Table(title=f"auto plans with activation checkpointing chosen vs torchtitan's hand plans "
+                    f"({HARDWARE}, tokens/s per GPU by the step schedule)")
+    for col in ("configuration", "hand plan (AC)", "hand tok/s", "hand GiB", "hand fits",
+                "auto AC (chosen from)", "auto tok/s", "auto GiB", "auto fits", "auto / hand", "plan s",
+                ">= hand and fits"):
+        t.add_column(col)
+    for group in args.rows.split(","):
+        rows = GROUPS[group]
+        cfg = rows[0].config
+        mesh = parse_mesh(cfg.mesh, cfg.names, HARDWARE)
+        traced = trace_model(cfg.model, layers=cfg.layers, batch=cfg.batch, seq=SEQ, dtype="bf16")
+        canonicalize(traced)
+        assert len(regions_layers(traced)) == cfg.layers
+        for row in rows:
+            r = measure(row, traced, mesh, args.time_limit)
+            h, a, plan = r["hand"], r["auto"], r["plan"]
+            ratio = a.tokens_per_s_per_device / h.tokens_per_s_per_device
+            ok = a.fits and ratio >= 1.0 - 1e-9
+            t.add_row(row.label, f"{cfg.plan} ({row.ac.value})", f"{h.tokens_per_s_per_device:,.1f}",
+                      f"{h.memory_per_device_bytes / GIB:.1f}", "yes" if h.fits else "no",
+                      f"{a.ac} ({plan.info.get('chosen_from', 'ilp')})", f"{a.tokens_per_s_per_device:,.1f}",
+                      f"{a.memory_per_device_bytes / GIB:.1f}", "yes" if a.fits else "no", f"{ratio:.3f}",
+                      f"{r['plan_s']:.1f}", "yes" if ok else "[red]NO[/]")
+            con.print(f"{row.label}: done ({r['plan_s']:.1f} s)")
+    con.print(t)
+
+
+if __name__ == "__main__":
+    main()
