@@ -234,7 +234,7 @@ AC_LADDER = (ACPolicy.NONE, ACPolicy.SELECTIVE, ACPolicy.FULL)
 # Solves after the first that set the ILP's budget from the step schedule of its last plan: the
 # ILP's memory row holds the state and the saved activations, not the transients, the gathered
 # parameters nor the allocator's cache, which the schedule counts (``_fit_by_schedule``).
-FIT_ROUNDS = 3
+FIT_ROUNDS = 4
 # Head room kept under the limit when the budget is set from the schedule, and the smallest
 # change of budget worth a solve, as fractions of the limit (the schedule's peak is not exactly
 # linear in the saved bytes: the allocator rounds and caches).
@@ -273,24 +273,36 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
 
 def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, constraints,
                      starts: list[Plan], options: dict) -> Plan:
-    """Solve again with the ILP's budget set from the step schedule of its last plan: the limit
-    less what the schedule holds beyond the ILP's memory row (``FIT_ROUNDS`` at most, while the
-    budget moves); the fastest plan that fits by the schedule, else the last one solved."""
+    """Solve again with the ILP's budget set from the step schedule (``FIT_ROUNDS`` at most):
+    first the limit less what the schedule held beyond the ILP's memory row in the last plan;
+    once one budget gave a plan that fits and another one that does not, halfway between them.
+    Returns the fastest plan that fits by the schedule, else the last one solved."""
     from shardwise.cost.step import price_plan
 
     budget = auto.info["memory_budget_bytes"]
     best: tuple[float, Plan] | None = None
+    fits_at, over_at = -math.inf, math.inf  # the largest budget that fit, the smallest that did not
     for k in range(FIT_ROUNDS + 1):
         est = price_plan(traced, auto, mesh, options["step_options"], limit)
-        if est.fits and (best is None or est.step_s < best[0]):
-            best = (est.step_s, auto)
-        unmodelled = est.memory_per_device_bytes - auto.estimate.memory_bytes
-        new = limit * (1.0 - FIT_SLACK) - unmodelled
-        settled = abs(new - budget) <= FIT_SLACK * limit
-        if k == FIT_ROUNDS or new <= 0.0 or settled or (est.fits and new < budget):
-            break  # no budget left, no change worth a solve, or a fitting plan a lower one cannot beat
-        log.info("the step holds %s beyond the ILP's memory row: solving again within %s",
-                 format_bytes(unmodelled), format_bytes(new))
+        log.info("ILP budget %s: AC %s, memory row %s, step %.4f s, peak %s (%s)", format_bytes(budget),
+                 est.ac, format_bytes(auto.estimate.memory_bytes), est.step_s,
+                 format_bytes(est.memory_per_device_bytes), "fits" if est.fits else "does not fit")
+        if est.fits:
+            fits_at = max(fits_at, budget)
+            if best is None or est.step_s < best[0]:
+                best = (est.step_s, auto)
+        else:
+            over_at = min(over_at, budget)
+        if k == FIT_ROUNDS:
+            break
+        if math.isfinite(fits_at) and math.isfinite(over_at):
+            new = (fits_at + over_at) / 2.0
+        else:
+            new = limit * (1.0 - FIT_SLACK) - (est.memory_per_device_bytes - auto.estimate.memory_bytes)
+            if est.fits and new < budget:
+                break  # a lower budget cannot give a faster plan
+        if new <= 0.0 or abs(new - budget) <= FIT_SLACK * limit or over_at - fits_at <= FIT_SLACK * limit:
+            break  # no budget left, or no change worth a solve
         budget = new
         again = make_plan(traced, mesh, constraints=constraints, start_from=starts,
                           **{**options, "memory_budget": budget})
