@@ -19,6 +19,10 @@ Each row prints
   fits), priced by the same step schedule: tokens/s, memory, fits, the AC chosen;
 - auto / hand tokens/s, and the wall time of planning (tracing excluded).
 
+``--size`` prints instead what the AC decision adds to the ILP: variables, rows, build and solve
+time of one solve of the auto plan (no baselines, no start) without it (``--ac none``: no
+checkpointing columns) and with it (decided), at the default budget.
+
 Every model is traced at its full depth (the AC choice names every layer), unlike
 ``fidelity.py``'s 70B rows, which extrapolate from 3 and 5 layers.
 """
@@ -79,12 +83,39 @@ def measure(row: Row, traced, mesh, time_limit_s: float) -> dict:
     return {"hand": h, "auto": a, "plan": auto, "plan_s": plan_s}
 
 
+def size(group: str, time_limit_s: float) -> list[dict]:
+    """One auto solve without and with the AC decision (see the module docstring)."""
+    from shardwise.plan import make_plan
+
+    row = GROUPS[group][0]
+    cfg = row.config
+    mesh = parse_mesh(cfg.mesh, cfg.names, HARDWARE)
+    traced = trace_model(cfg.model, layers=cfg.layers, batch=cfg.batch, seq=SEQ, dtype="bf16")
+    canonicalize(traced)
+    out = []
+    for label, ac in (("no AC columns", ACPolicy.NONE), ("AC decided", None)):
+        so = {"compile": row.compile, "async_tp": row.async_tp, "ac": ac}
+        plan = make_plan(traced, mesh, time_limit_s=time_limit_s, step_options=so)
+        ilp, tm = plan.info["ilp"], plan.info["timings"]
+        out.append({"config": group, "ILP": label, "variables": ilp["variables"], "rows": ilp["constraints"],
+                    "build_s": round(tm["ilp_build_s"], 2), "solve_s": round(tm["solve_s"], 2),
+                    "status": plan.status, "AC": plan.ac.describe() if plan.ac else "none"})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(GROUPS), help="comma-separated: " + ", ".join(GROUPS))
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--size", action="store_true", help="print what the AC decision adds to the ILP")
     args = ap.parse_args()
     con = Console(width=TABLE_WIDTH)
+    if args.size:
+        from rows import print_rows
+
+        rows = [r for g in args.rows.split(",") for r in size(g, args.time_limit)]
+        print_rows(rows, ("config", "ILP", "variables", "rows", "build_s", "solve_s", "status", "AC"))
+        return
     t = Table(title=f"auto plans with activation checkpointing chosen vs torchtitan's hand plans "
                     f"({HARDWARE}, tokens/s per GPU by the step schedule)")
     for col in ("configuration", "hand plan (AC)", "hand tok/s", "hand GiB", "hand fits",
