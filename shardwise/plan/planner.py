@@ -249,10 +249,15 @@ def _schedule_limit(mesh: Mesh, memory_budget: float | None) -> float:
 def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, options: dict) -> Plan | None:
     """The hand plan ``name`` run with the first policy of ``AC_LADDER`` whose step fits
     ``limit`` by the schedule (every layer the same, as torchtitan configures it); the last
-    that solved where none fits. None where it does not apply."""
-    from shardwise.cost.step import price_plan
+    that solved where none fits. None where it does not apply.
+
+    Its free choices are made twice, by this planner's objective within its budget and as
+    ``shardwise estimate --plan NAME`` makes them (the serial objective, no budget: the faithful
+    plan ``benchmarks/fidelity.py`` prices); the faster by the schedule that fits is the plan."""
+    from shardwise.cost.step import price_plan, regions_layers
 
     last = None
+    layers = sorted(regions_layers(traced))
     for policy in AC_LADDER:
         so = {**options["step_options"], "ac": policy}
         plan = make_plan(traced, mesh, baseline=name, **{**options, "step_options": so})
@@ -261,12 +266,19 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
         if plan.status in NO_PLAN:
             last = last or plan
             continue
-        if plan.ac is None:
-            from shardwise.cost.step import regions_layers
-
-            plan.ac = ACChoice.uniform(sorted(regions_layers(traced)), policy)
+        plan.ac = plan.ac or ACChoice.uniform(layers, policy)
         last = plan
         if price_plan(traced, plan, mesh, options["step_options"], limit).fits:
+            faithful = make_plan(traced, mesh, baseline=name,
+                                 **{**options, "memory_budget": math.inf, "step_options": None})
+            if faithful is None or faithful.status in NO_PLAN:
+                break
+            faithful.ac = ACChoice.uniform(layers, policy)
+            est = price_plan(traced, faithful, mesh, options["step_options"], limit)
+            if est.fits and est.step_s < plan.info["schedule"]["step_s"]:
+                faithful.info["free_choices"] = "serial objective, no budget (shardwise estimate --plan NAME)"
+                faithful.info["memory_budget_bytes"] = None  # none: not inf, which JSON lacks
+                return faithful
             break
     return last
 
