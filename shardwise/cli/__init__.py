@@ -55,7 +55,9 @@ AC_CHOICES = ("none", "selective", "full")
 
 def add_step_options(p: argparse.ArgumentParser) -> None:
     """How the training step runs, as the step schedule prices it (shared by plan and estimate)."""
-    p.add_argument("--ac", default="none", help="activation checkpointing: none (default), selective or full")
+    p.add_argument("--ac", default=None,
+                   help="activation checkpointing of every layer: none, selective or full (default: plan "
+                   "chooses per layer; estimate runs the plan's choice, none for a hand plan)")
     p.add_argument("--compile", action="store_true",
                    help="price memory-bound work as torch.compile's fused kernels")
     p.add_argument("--async-tp", action="store_true",
@@ -66,12 +68,14 @@ def step_options(args: argparse.Namespace, mesh_names: tuple[str, ...]) -> dict:
     """The step options ``add_step_options`` parsed, checked (``StepOptions`` fields)."""
     from shardwise.passes.remat import ACPolicy
 
-    if args.ac not in AC_CHOICES:
+    if args.ac is not None and args.ac not in AC_CHOICES:
         raise UserError(f"--ac {args.ac!r} is unknown; use one of {', '.join(AC_CHOICES)}.")
     if args.async_tp and "tp" not in mesh_names:
         raise UserError(f"--async-tp needs a tensor-parallel mesh dim named 'tp'; the mesh's dims are "
                         f"{', '.join(mesh_names)}.")
-    return {"ac": ACPolicy(args.ac), "compile": args.compile, "async_tp": args.async_tp}
+    # ``ac`` None: not given (the planner decides, the estimate runs the plan's choice).
+    return {"ac": None if args.ac is None else ACPolicy(args.ac), "compile": args.compile,
+            "async_tp": args.async_tp}
 
 
 def main(argv: list[str] | None = None) -> int:

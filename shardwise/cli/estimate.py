@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.timeline_png:
             write_png(est.schedule, args.timeline_png, title=f"{args.model} {mesh} {args.plan}")
     out = {"model": args.model, "mesh": list(mesh.shape), "mesh_names": list(mesh.names), "plan": args.plan,
-           "hardware": hw.name, "ac": args.ac, "compile": args.compile, "async_tp": args.async_tp,
+           "hardware": hw.name, "ac": est.ac, "compile": args.compile, "async_tp": args.async_tp,
            **est.to_json()}
     if est.schedule is not None:
         out["recomputed_nodes"] = len(est.schedule.recomputed)

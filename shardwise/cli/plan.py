@@ -140,7 +140,7 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
         raise UserError(f"unknown optimizer {args.optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}.")
     budget = parse_bytes(args.memory) if args.memory else None
     opts = step_options(args, mesh.names)
-    if args.inference and (args.ac != "none" or args.compile or args.async_tp):
+    if args.inference and (args.ac not in (None, "none") or args.compile or args.async_tp):
         raise UserError("--ac, --compile and --async-tp price a training step; drop them with --inference.")
     t0 = time.perf_counter()
     traced = trace_model(args.model, train=not args.inference, layers=args.layers, batch=args.batch,
@@ -185,6 +185,8 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
                       "total_s": trace_s + timings["total_s"]}
     out["ilp"] = {k: plan.info["ilp"][k] for k in ("variables", "constraints", "clusters")}
     out["baselines"] = baselines
+    # --ac fixes every layer's policy; without it the planner chose per cluster of layers.
+    out["ac_given"] = args.ac is not None
     if args.explain:
         say("explaining " + ", ".join(args.explain))
         out["explain"] = {name: explain(traced, plan, name, memory=memory).to_json() for name in args.explain}
@@ -194,7 +196,7 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
 # What ``--json`` reports of each plan: its step by the schedule (and by what it is made of),
 # its ILP objective, its memory by the schedule's peak.
 PLAN_ROW = ("step_s", "objective_s", "exposed_comm_s", "comm_s", "compute_s", "recompute_s",
-            "memory_per_device_bytes", "fits", "async_tp")
+            "memory_per_device_bytes", "fits", "async_tp", "ac")
 
 
 def plan_row(plan) -> dict:
@@ -205,12 +207,12 @@ def plan_row(plan) -> dict:
         return {"step_s": est.total_s, "objective_s": plan.info.get("objective_s", est.total_s),
                 "exposed_comm_s": est.comm_s, "comm_s": est.comm_s, "compute_s": est.compute_s,
                 "recompute_s": 0.0, "memory_per_device_bytes": est.memory_bytes, "fits": True,
-                "async_tp": False}
+                "async_tp": False, "ac": "none"}
     b = sched["breakdown"]
     return {"step_s": sched["step_s"], "objective_s": plan.info.get("objective_s", plan.estimate.total_s),
             "exposed_comm_s": b["exposed_comm_s"], "comm_s": b["comm_s"], "compute_s": b["compute_s"],
             "recompute_s": b["recompute_s"], "memory_per_device_bytes": sched["memory_per_device_bytes"],
-            "fits": sched["fits"], "async_tp": sched["options"]["async_tp"]}
+            "fits": sched["fits"], "async_tp": sched["options"]["async_tp"], "ac": sched["options"]["ac"]}
 
 
 def _save_all(directory: str, plans: dict) -> None:
@@ -268,7 +270,9 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
               f"communication {row['comm_s'] * 1e3:.2f} ms of which exposed "
               f"{row['exposed_comm_s'] * 1e3:.2f} ms; "
               f"ILP objective {row['objective_s'] * 1e3:.2f} ms), "
-              f"{row['memory_per_device_bytes'] / 2**30:.2f} GiB per device")
+              f"{row['memory_per_device_bytes'] / 2**30:.2f} GiB per device"
+              f"{'' if row['fits'] else ' (does not fit)'}; activation checkpointing {row['ac']}"
+              f"{' (--ac)' if out.get('ac_given') else ''}")
     t = Table(title="parameters (first layer and the rest)")
     t.add_column("parameter")
     t.add_column("placement")
@@ -285,14 +289,14 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
         c.add_row(k, str(v["count"]), f"{v['bytes'] / 2**30:.3f}")
     con.print(c)
     b = Table(title="plans (step: the schedule, as shardwise estimate prices it; objective: the ILP's)")
-    for col in ("plan", "step ms", "ILP objective ms", "exposed comm ms", "GiB", "auto is faster by"):
+    for col in ("plan", "AC", "step ms", "ILP objective ms", "exposed comm ms", "GiB", "auto is faster by"):
         b.add_column(col)
     auto_s = row["step_s"]
     for k, r in out["plans"].items():
         if r is None:
-            b.add_row(k, "n/a", "", "", "", "does not apply or does not fit")
+            b.add_row(k, "", "n/a", "", "", "", "does not apply or does not fit")
             continue
-        b.add_row(k, f"{r['step_s'] * 1e3:.2f}", f"{r['objective_s'] * 1e3:.2f}",
+        b.add_row(k, str(r.get("ac") or ""), f"{r['step_s'] * 1e3:.2f}", f"{r['objective_s'] * 1e3:.2f}",
                   f"{r['exposed_comm_s'] * 1e3:.2f}", f"{r['memory_per_device_bytes'] / 2**30:.2f}",
                   "" if k == "auto" else f"{(r['step_s'] - auto_s) / r['step_s'] * 100:.1f}%")
     con.print(b)

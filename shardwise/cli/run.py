@@ -52,8 +52,9 @@ def add_program_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--passes", default="", help="graph passes to run on the per-rank program, e.g. "
                    "sequence_parallel,collective_matmul,bucket")
-    p.add_argument("--ac", default="none", help="activation checkpointing of the per-rank training "
-                   "program: none | selective | full (the remat pass, run after --passes)")
+    p.add_argument("--ac", default=None, help="activation checkpointing of the per-rank training "
+                   "program: none | selective | full (the remat pass, run after --passes; default: what a "
+                   "plan file records, per layer, else none)")
 
 
 def check_batch(batch: int, mesh) -> None:
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.models import get_model
     from shardwise.passes import parse_passes
     from shardwise.passes.pipeline import canonicalize
+    from shardwise.passes.remat import policy_name
     from shardwise.runtime.counter import as_json
     from shardwise.runtime.launch import RunError, _check_backend, run_many
     from shardwise.runtime.launch import run as run_program
@@ -125,13 +127,18 @@ def run(args: argparse.Namespace) -> dict:
     _check_backend(args.backend, mesh.size)
     passes = list(parse_passes(args.passes))
     train = not args.inference
-    ac = _ac_policy(args.ac, train)
+    ac = _ac_policy(args.ac, train) if args.ac is not None else None
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
     check_batch(spec.batch, mesh)
     traced = trace_model(args.model, train=train, layers=args.layers, batch=args.batch, seq=args.seq,
                          dtype=args.dtype)
     canonicalize(traced)
     plan = make_plan_for(args.plan, traced, mesh, args.model, train)
+    if args.ac is None and train and plan.ac is not None:
+        from shardwise.passes.remat import ACPolicy, simplify_policy
+
+        recorded = simplify_policy(plan.ac.layer_policies())  # the plan's choice, per layer
+        ac = None if recorded is ACPolicy.NONE else recorded
     program = lower(traced, plan)
     program.model = spec
     rewrites = program.apply_passes(passes)
@@ -164,7 +171,7 @@ def run(args: argparse.Namespace) -> dict:
         "wall_s": round(time.perf_counter() - t0, 3),
     }
     if ac is not None:
-        result["ac"] = {"policy": ac.value, "recomputed_nodes": rewrites["remat"],
+        result["ac"] = {"policy": policy_name(ac), "recomputed_nodes": rewrites["remat"],
                         "saved_activation_bytes": {"without": base.saved_activation_bytes,
                                                    "with": res.saved_activation_bytes}}
     if not args.json:

@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> dict:
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
     _check_backend(args.backend, mesh.size)
     passes = parse_passes(args.passes)
+    args.ac = args.ac or "none"  # train runs one policy for every layer (--ac), none by default
     parse_policy(args.ac)  # an unknown policy fails before anything starts
     opts = _options(args)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)

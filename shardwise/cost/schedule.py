@@ -29,11 +29,12 @@ by every reader; a consumer starts when its inputs have arrived.
   fused with the matmul: the consumer is held back only by what the ring cannot hide,
   ``(W - 1) * max(0, hop - chunk)`` (``cost/overlap.py``'s collective-matmul price).
 
-Activation checkpointing (``ac``): the policy's recomputed forward nodes (``recompute_plan``)
-run again at the start of their layer's backward, their collectives included; ``recompute_s``
-reports their time. With ``compile`` the memory-bound recomputation fuses into the backward's
-kernels (Inductor's partitioner recomputes pointwise ops rather than saving them), so it costs no
-kernel of its own, and memory-bound forward values are not kept for the backward.
+Activation checkpointing (``ac``: one policy, or one per decoder layer): the policy's recomputed
+forward nodes (``recompute_plan``) run again at the start of their layer's backward, their
+collectives included; ``recompute_s`` reports their time. With ``compile`` the memory-bound
+recomputation fuses into the backward's kernels (Inductor's partitioner recomputes pointwise ops
+rather than saving them), so it costs no kernel of its own, and memory-bound forward values are
+not kept for the backward.
 
 Memory: static (parameters and optimizer state, ``param_bytes`` + ``optimizer_state_bytes`` per
 local element) plus every buffer alive at each point of the schedule, each a ``Lifetime`` (its
@@ -92,7 +93,7 @@ from shardwise.errors import UserError
 from shardwise.ir.flops import is_view
 from shardwise.ir.match import CollectiveKind
 from shardwise.ir.trace import Phase, Traced
-from shardwise.passes.remat import ACPolicy, recompute_plan
+from shardwise.passes.remat import ACPolicy, AnyPolicy, recompute_plan
 from shardwise.plan.cluster import HEAD, TAIL, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.placement import Placements, placements_str
@@ -136,7 +137,7 @@ class StepOptions:
     precision stores fp32 master weights and fp32 gradients: 4 and 4). ``reduce_fp32``: gradient
     reductions move fp32 (FSDP2's ``reduce_dtype=float32``)."""
 
-    ac: ACPolicy = ACPolicy.NONE
+    ac: AnyPolicy = ACPolicy.NONE  # one policy, or one per decoder layer (``LayerPolicies``)
     compile: bool = False
     async_tp: bool = False
     param_bytes: int | None = None
@@ -270,8 +271,8 @@ class _Scheduler:
         # until the block's recomputation pops it (torch.utils.checkpoint's selective
         # checkpoint context stores MUST_SAVE outputs in the forward). Compiled blocks save what
         # the partitioner's backward reads, nothing more.
-        self.sac_cached: set[fx.Node] = (set(remat.kept) if remat and opts.ac is ACPolicy.SELECTIVE
-                                         and not opts.compile else set())
+        self.sac_cached: set[fx.Node] = (set(remat.selective_kept) if remat and not opts.compile
+                                         else set())
         self.fused_free: set[fx.Node] = set()
         self.on_chip: set[fx.Node] = set()
         self.segment_time: dict[fx.Node, float] = {}

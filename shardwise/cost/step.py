@@ -31,6 +31,7 @@ from shardwise.errors import UserError
 from shardwise.ir.flops import graph_flops
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
+from shardwise.passes.remat import ACPolicy, AnyPolicy, LayerPolicies, policy_name, simplify_policy
 from shardwise.plan.plan import Plan
 
 # Mixed precision as torchtitan runs bf16 training (FSDP2 MixedPrecisionPolicy: param_dtype bf16,
@@ -64,6 +65,7 @@ class StepEstimate:
     memory_allocated_peak_bytes: int = 0
     memory_reserved_peak_bytes: int = 0
     memory_breakdown: MemoryBreakdown | None = None
+    ac: str = ACPolicy.NONE.value  # the activation checkpointing priced (``remat.policy_name``)
 
     def to_json(self) -> dict:
         return {
@@ -79,7 +81,7 @@ class StepEstimate:
                           "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s,
                           "hidden_comm_s": self.comm_s - self.exposed_comm_s,
                           "optimizer_s": self.optimizer_s},
-            "layers": self.layers, "extrapolated_from_layers": self.extrapolated_from,
+            "layers": self.layers, "extrapolated_from_layers": self.extrapolated_from, "ac": self.ac,
         }
 
 
@@ -218,16 +220,15 @@ def estimate_step(model: str, mesh: Mesh, plan: str, opts: dict, *, batch: int |
         traced = trace_model(model, train=True, layers=n_layers, batch=batch, seq=seq, dtype=dtype)
         canonicalize(traced)
         p = plan_for(traced, mesh, plan, time_limit_s, opts)
-        if plan == "auto":
-            # The auto plan was chosen with async TP wherever it applies.
-            applied = step_options_for(p, traced, opts)
-        elif opts.get("async_tp") and not uses_tp(p, traced):
+        if plan != "auto" and opts.get("async_tp") and not uses_tp(p, traced):
             raise UserError(f"--async-tp needs a plan that shards weights over a 'tp' mesh dim; the "
                             f"{p.name} plan on mesh {mesh} has none.")
+        # The auto plan was chosen with async TP wherever it applies; every plan runs the
+        # activation checkpointing it records unless ``opts`` names one.
+        applied = step_options_for(p, traced, opts)
         prepared.append((traced, p))
     hw = get_hardware(mesh.hardware)
-    if plan == "auto":
-        opts = applied
+    opts = applied
     return estimate_prepared(prepared, spec.n_layers, spec.batch * spec.seq, mesh, hw, opts, memory_budget)
 
 
@@ -241,6 +242,7 @@ def estimate_prepared(prepared: list[tuple[Traced, Plan]], layers: int, tokens: 
         sched = schedule_step(traced, p, topo, torchtitan_options(traced, **opts))
         ests.append(from_schedule(traced, p, sched, hw, mesh.size, tokens, memory_budget))
         ests[-1].layers = layers
+        ests[-1].ac = policy_name(opts.get("ac", ACPolicy.NONE))
     if len(ests) == 1:
         return ests[0]
     k = len(regions_layers(prepared[0][0]))
@@ -255,8 +257,18 @@ def tokens_per_step(traced: Traced) -> int:
 
 def step_options_for(plan: Plan, traced: Traced, opts: dict) -> dict:
     """``opts`` as they apply to ``plan``: ``async_tp`` only where the plan is tensor-parallel
-    (fusing would otherwise pair an FSDP gather over a dim named tp with its matmul)."""
-    return {**opts, "async_tp": bool(opts.get("async_tp")) and uses_tp(plan, traced)}
+    (fusing would otherwise pair an FSDP gather over a dim named tp with its matmul); ``ac`` the
+    plan's recorded activation checkpointing (``Plan.ac``, none without one) unless ``opts``
+    names a policy, which then holds for every layer."""
+    return {**opts, "ac": plan_ac(plan, opts.get("ac")),
+            "async_tp": bool(opts.get("async_tp")) and uses_tp(plan, traced)}
+
+
+def plan_ac(plan: Plan, given: AnyPolicy | None) -> AnyPolicy:
+    """The activation checkpointing ``plan`` runs: ``given`` if not None, else its own."""
+    if given is not None:
+        return simplify_policy(given) if isinstance(given, LayerPolicies) else given
+    return simplify_policy(plan.ac.layer_policies()) if plan.ac is not None else ACPolicy.NONE
 
 
 def price_plan(traced: Traced, plan: Plan, mesh: Mesh, opts: dict,
@@ -268,8 +280,8 @@ def price_plan(traced: Traced, plan: Plan, mesh: Mesh, opts: dict,
     est = estimate_prepared([(traced, plan)], len(regions_layers(traced)), tokens_per_step(traced), mesh,
                             get_hardware(mesh.hardware), applied, memory_budget)
     so = StepOptions(**applied)
-    plan.info["schedule"] = {**est.to_json(),
-                             "options": {"ac": so.ac.value, "compile": so.compile, "async_tp": so.async_tp}}
+    plan.info["schedule"] = {**est.to_json(), "options": {"ac": policy_name(so.ac), "compile": so.compile,
+                                                          "async_tp": so.async_tp}}
     return est
 
 

@@ -34,6 +34,16 @@ value that is safe to recompute and that the backward reads is recomputed from t
   from each block's input, as torchtitan counts per checkpointed block), attention outputs and
   reduce_scatter outputs; recompute the rest.
 
+Per-layer policies (``LayerPolicies``): one policy per decoder layer, as torchtitan's per-layer
+AC wraps chosen ``TransformerBlock``s (``ac_freq``). The layers are found on the graph, as the
+blocks are: a *layer start* is a block input whose stretch of the forward (up to the next spine
+node) holds an attention op; forward node ``i`` belongs to the last layer start at or before it
+(graph order is program order). Nodes before the first layer (the embedding, the rotary tables)
+follow the first layer's policy and nodes after the last layer (the head, the loss) the last
+layer's, so one policy for every layer is exactly that global policy. A forward value is kept or
+recomputed by its own layer's policy; a recomputed value's inputs are recomputed where their own
+layer allows it, else saved.
+
 Collectives: an ``all_gather`` may be recomputed under both policies (that is what FSDP2's
 reshard-after-forward does: parameters are gathered again in the backward); ``full`` also
 recomputes ``reduce_scatter`` and ``all_reduce`` (torchtitan's full AC reruns the whole block,
@@ -88,6 +98,45 @@ class ACPolicy(enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+
+
+@dataclass(frozen=True)
+class LayerPolicies:
+    """A policy per decoder layer, in forward order (see the module docstring)."""
+
+    layers: tuple[ACPolicy, ...]
+
+    def uniform(self) -> ACPolicy | None:
+        """The one policy every layer runs, else None."""
+        kinds = set(self.layers)
+        return kinds.pop() if len(kinds) == 1 else None
+
+    def counts(self) -> dict[ACPolicy, int]:
+        return {p: self.layers.count(p) for p in ACPolicy}
+
+    def describe(self) -> str:
+        """E.g. ``full x 12, none x 20`` (or the one policy's name)."""
+        one = self.uniform()
+        if one is not None:
+            return one.value
+        return ", ".join(f"{p.value} x {n}" for p, n in self.counts().items() if n)
+
+
+# What ``recompute_plan`` and the step options take: one policy, or one per layer.
+AnyPolicy = ACPolicy | LayerPolicies
+
+
+def simplify_policy(policy: AnyPolicy) -> AnyPolicy:
+    """A ``LayerPolicies`` whose layers all run one policy is that policy."""
+    if isinstance(policy, LayerPolicies):
+        one = policy.uniform()
+        return one if one is not None else policy
+    return policy
+
+
+def policy_name(policy: AnyPolicy) -> str:
+    """``none``/``selective``/``full``, or the per-layer mix (``full x 12, none x 20``)."""
+    return policy.value if isinstance(policy, ACPolicy) else policy.describe()
 
 
 def parse_policy(policy: ACPolicy | str) -> ACPolicy:
@@ -270,10 +319,12 @@ class RematPlan:
     ``reason`` says why nothing is recomputed when that is so; ``start`` is the backward's first
     node (None without a backward)."""
 
-    policy: ACPolicy
+    policy: AnyPolicy
     recompute: list[fx.Node] = field(default_factory=list)
     saved: list[fx.Node] = field(default_factory=list)
     kept: set[fx.Node] = field(default_factory=set, repr=False)
+    # What selective layers keep by their save list (eager SAC caches it until the recompute).
+    selective_kept: set[fx.Node] = field(default_factory=set, repr=False)
     start: fx.Node | None = None
     reason: str = ""
 
@@ -321,6 +372,41 @@ def block_inputs(spine_nodes: set[fx.Node], forward: list[fx.Node]) -> set[fx.No
     return out
 
 
+def layer_starts(spine_nodes: set[fx.Node], forward: list[fx.Node]) -> list[fx.Node]:
+    """The block inputs that start a decoder layer: those whose stretch of the forward up to the
+    next spine node holds an attention op (graph order)."""
+    inputs = block_inputs(spine_nodes, forward)
+    attention = [i for i, n in enumerate(forward) if is_attention(n)]
+    on_spine = [(i, n) for i, n in enumerate(forward) if n in spine_nodes]
+    return [n for (i, n), (j, _) in zip(on_spine, on_spine[1:], strict=False)
+            if n in inputs and any(i < a < j for a in attention)]
+
+
+def layer_of(forward: list[fx.Node], starts: list[fx.Node]) -> dict[fx.Node, int]:
+    """Forward node -> the index of its layer: the last layer start at or before it (nodes
+    before the first start: 0; see the module docstring)."""
+    start_set = set(starts)
+    out: dict[fx.Node, int] = {}
+    k = -1
+    for n in forward:
+        if n in start_set:
+            k += 1
+        out[n] = max(k, 0)
+    return out
+
+
+def _policy_of(policy: AnyPolicy, forward: list[fx.Node],
+               spine_nodes: set[fx.Node]) -> dict[fx.Node, ACPolicy]:
+    """Each forward node's policy (its layer's, see the module docstring)."""
+    if isinstance(policy, ACPolicy):
+        return dict.fromkeys(forward, policy)
+    starts = layer_starts(spine_nodes, forward)
+    if len(starts) != len(policy.layers):
+        raise UserError(f"the activation checkpointing choice names {len(policy.layers)} layers but the "
+                        f"graph has {len(starts)}; plan again for this model.")
+    return {n: policy.layers[k] for n, k in layer_of(forward, starts).items()}
+
+
 def _kept_by_policy(policy: ACPolicy, forward: list[fx.Node], spine_nodes: set[fx.Node]) -> set[fx.Node]:
     """Forward nodes the policy saves even though they could be recomputed: the block inputs,
     and under selective torchtitan's save list."""
@@ -339,15 +425,15 @@ def _kept_by_policy(policy: ACPolicy, forward: list[fx.Node], spine_nodes: set[f
     return kept
 
 
-def _recomputable(policy: ACPolicy, forward: list[fx.Node], kept: set[fx.Node],
+def _recomputable(policy: dict[fx.Node, ACPolicy], forward: list[fx.Node], kept: set[fx.Node],
                   written: set[fx.Node]) -> set[fx.Node]:
-    """Forward nodes the policy lets the backward recompute (see the module docstring)."""
-    allowed = RECOMPUTED_COLLECTIVES[policy]
+    """Forward nodes their policy lets the backward recompute (see the module docstring)."""
     ok: set[fx.Node] = set()
     for n in forward:  # graph order: a getitem's or wait's producer is decided first
-        if n in kept or not safe_to_recompute(n, written):
+        if policy[n] is ACPolicy.NONE or n in kept or not safe_to_recompute(n, written):
             continue
         kind = collective_kind(n)
+        allowed = RECOMPUTED_COLLECTIVES[policy[n]]
         if kind is not None:
             # Recomputed only with its wait, and only when nothing but waits reads it.
             if kind in allowed and n.users and all(is_wait(u) for u in n.users):
@@ -363,10 +449,10 @@ def _recomputable(policy: ACPolicy, forward: list[fx.Node], kept: set[fx.Node],
     return ok
 
 
-def recompute_plan(gm: fx.GraphModule, policy: ACPolicy | str) -> RematPlan:
-    """Which forward nodes ``policy`` recomputes in the backward of ``gm``, and what the backward
-    still reads from the forward afterwards."""
-    policy = parse_policy(policy)
+def recompute_plan(gm: fx.GraphModule, policy: AnyPolicy | str) -> RematPlan:
+    """Which forward nodes ``policy`` (one, or one per layer) recomputes in the backward of
+    ``gm``, and what the backward still reads from the forward afterwards."""
+    policy = simplify_policy(policy) if isinstance(policy, LayerPolicies) else parse_policy(policy)
     plan = RematPlan(policy)
     regions = _regions(gm)
     if regions is None:
@@ -381,8 +467,11 @@ def recompute_plan(gm: fx.GraphModule, policy: ACPolicy | str) -> RematPlan:
         return plan
     exit_node = next(a for a in regions.start.all_input_nodes if a in regions.fwd and is_scalar(a))
     spine_nodes = spine(regions.forward, exit_node, input_placeholders(gm))
-    kept = _kept_by_policy(policy, regions.forward, spine_nodes)
-    ok = _recomputable(policy, regions.forward, kept, written_values(gm.graph))
+    per_node = _policy_of(policy, regions.forward, spine_nodes)
+    by_policy = {p: _kept_by_policy(p, regions.forward, spine_nodes) for p in set(per_node.values())}
+    kept = {n for n in regions.forward if n in by_policy[per_node[n]]}
+    ok = _recomputable(per_node, regions.forward, kept, written_values(gm.graph))
+    plan.selective_kept = {n for n in kept if per_node[n] is ACPolicy.SELECTIVE}
     # The copies: every recomputable forward value a backward reader needs, and (recursively)
     # its recomputable inputs.
     need = input_closure(readers, ok)
@@ -474,8 +563,9 @@ def rewrite(gm: fx.GraphModule, plan: RematPlan) -> int:
     return len(copies)
 
 
-def apply(gm: fx.GraphModule, policy: ACPolicy | str = "full") -> int:
-    """Recompute forward values in the backward per ``policy``; returns the nodes copied."""
+def apply(gm: fx.GraphModule, policy: AnyPolicy | str = "full") -> int:
+    """Recompute forward values in the backward per ``policy`` (one, or one per layer); returns
+    the nodes copied."""
     plan = recompute_plan(gm, policy)
     if not plan.recompute:
         log.debug("remat: nothing to do (%s)", plan.reason)

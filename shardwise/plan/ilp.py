@@ -43,6 +43,10 @@ optimum is the whole model's (``pricing=False`` solves the whole model at once).
 objective's model (``objective.py``) is solved from its interior-point LP bound instead
 (``solver.solve_by_lp_bound``).
 
+Activation checkpointing (``checkpointing.py``, training): per cluster of identical layers, how
+many run none / selective / full, with the recomputation in the objective and the saved bytes
+in the memory row in place of the layers' activations above.
+
 Start point: a hand plan's choices (one strategy per deciding representative) fix x; each e is
 then 1 on the one pair its ends choose and each t the largest of its rows, a complete point that
 is checked against every row before HiGHS gets it as its first incumbent (``_start_vector``).
@@ -54,7 +58,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -72,7 +76,9 @@ from shardwise.plan.solver import MIP_REL_GAP, Model, complete, solve_model, vio
 from shardwise.plan.strategies import NodeStrategies, Strategy, intern
 
 if TYPE_CHECKING:
+    from shardwise.plan.checkpointing import CheckpointingModel
     from shardwise.plan.objective import ScheduleObjective
+    from shardwise.plan.plan import ACChoice
 
 log = logging.getLogger(__name__)
 GRAD_SINK = -1  # argument index of a gradient -> parameter-placement edge
@@ -99,6 +105,8 @@ class MemoryModel:
 
     optimizer_state_bytes: int = OPTIMIZER_STATE_BYTES["adam"]
     include_activations: bool = True
+    # Nodes whose saved bytes another model counts (``checkpointing.py``: the decoder layers').
+    exclude: frozenset[str] = frozenset()
 
     def bytes_per_byte(self, traced: Traced, node: fx.Node) -> float:
         """Device bytes per byte of ``node``'s value held for the step: a parameter with its
@@ -109,6 +117,7 @@ class MemoryModel:
         if node.op == "placeholder" and node.name in traced.params.values():
             return 2.0 + self.optimizer_state_bytes / val.element_size() if traced.train else 1.0
         saved = (traced.train and self.include_activations and node.op == "call_function"
+                 and node.name not in self.exclude
                  and not is_view(node) and traced.phase(node) is Phase.FORWARD
                  and any(traced.phase(u) is Phase.BACKWARD for u in node.users))
         return 1.0 if saved else 0.0
@@ -130,6 +139,8 @@ class IlpResult:
     # How the model was solved (``solver.solve_model``): pricing rounds, columns priced in,
     # columns the last solve could use, optional columns in all.
     stats: dict[str, int] = field(default_factory=dict)
+    ac: ACChoice | None = None  # the activation checkpointing chosen (with a checkpointing model)
+    memory_bytes: float | None = None  # the memory row at the solution (with a budget)
 
 
 @dataclass
@@ -143,6 +154,10 @@ class _Model(Model):
             self.cost[col] += seconds
         else:
             self.objective.charge(col, seconds, tag)
+
+    def add_cost(self, col: int, seconds: float, _tag: object = None) -> None:
+        """``seconds`` on column ``col`` in the serial sum."""
+        self.cost[col] += seconds
 
 
 @dataclass
@@ -183,15 +198,17 @@ def _strategy_vars(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[lis
 def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
           *, memory_budget: float | None = None, memory: MemoryModel | None = None,
           time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None,
-          schedule: ScheduleObjective | None = None, pricing: bool = True,
-          rel_gap: float = MIP_REL_GAP) -> IlpResult:
+          schedule: ScheduleObjective | None = None, checkpointing: CheckpointingModel | None = None,
+          start_ac: ACChoice | None = None, pricing: bool = True, rel_gap: float = MIP_REL_GAP) -> IlpResult:
     """Solve the placement ILP. ``start`` (deciding representative -> strategy index, e.g. a
     hand plan's choices) is handed to HiGHS as its first incumbent: the solver completes the
     continuous edge variables and, if the point is feasible, never returns anything worse, so
     a time limit costs only optimality. ``schedule``: the schedule objective
-    (``plan/objective.py``) in place of the serial sum. ``pricing=False``: HiGHS gets the whole
-    model at once (``solver.py``). ``rel_gap``: the solver may stop at a plan within this
-    relative gap of its bound (the default: the optimum)."""
+    (``plan/objective.py``) in place of the serial sum. ``checkpointing``: activation
+    checkpointing decided per cluster of layers (``plan/checkpointing.py``); ``start_ac`` the
+    start point's. ``pricing=False``: HiGHS gets the whole model at once (``solver.py``).
+    ``rel_gap``: the solver may stop at a plan within this relative gap of its bound (the
+    default: the optimum)."""
     t0 = time.perf_counter()
     memory = memory or MemoryModel()
     m = _Model(objective=schedule)
@@ -267,9 +284,16 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         for part in [list(keys)] if schedule is None else schedule.split(list(keys)):
             _charge_moves(m, [moves[k] for k in part], n, part)
 
+    ck_mem: dict[int, float] = {}
+    if checkpointing is not None:
+        memory = replace(memory, exclude=checkpointing.excluded())
+        ck_mem = checkpointing.build(m, ns, xs, lambda n: _supply(ns, xs, clus, n),
+                                     schedule.charge_recompute if schedule is not None else m.add_cost)
     min_mem = None
     if memory_budget is not None:
         mem_terms, min_mem = _memory_terms(traced, ns, xs, clus, costs, memory)
+        for v, b in ck_mem.items():
+            mem_terms[v] = mem_terms.get(v, 0.0) + b
         m.row(-math.inf, float(memory_budget) / MEMORY_UNIT_BYTES,
               {v: b / MEMORY_UNIT_BYTES for v, b in mem_terms.items()})
     if schedule is not None:
@@ -280,7 +304,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     t1 = time.perf_counter()
     start_val, start_s = None, None
     if start is not None:
-        start_val = _start_vector(m, deciding, start, one)
+        start_val = _start_vector(m, deciding, start, one, checkpointing, start_ac)
         bad = violated_rows(m, start_val)
         if bad:
             log.warning("the start point breaks %d rows of the placement ILP; solving without it", bad)
@@ -299,13 +323,16 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         return IlpResult(got.status, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem,
                          bound_s=_bound_s(got.bound), start_s=start_s, stats=stats)
     sol = got.solution
+    mem_at = sum(b * float(sol[v]) for v, b in mem_terms.items()) if memory_budget is not None else None
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
     objective = got.objective * OBJECTIVE_UNIT_S
     bound = min(_bound_s(got.bound), objective)
     # The relative gap from the normalised bound (HiGHS says inf while it has no bound).
     gap = 0.0 if got.status == "optimal" or objective <= 0.0 else (objective - bound) / objective
     return IlpResult(got.status, objective, gap, choice, nv, nr, build_s, solve_s, min_mem, bound_s=bound,
-                     start_s=start_s, stats=stats)
+                     start_s=start_s, stats=stats,
+                     ac=checkpointing.choice(sol) if checkpointing is not None else None,
+                     memory_bytes=mem_at)
 
 
 def _bound_s(dual_bound: float) -> float:
@@ -313,8 +340,8 @@ def _bound_s(dual_bound: float) -> float:
     return max(0.0, dual_bound * OBJECTIVE_UNIT_S) if math.isfinite(dual_bound) else 0.0
 
 
-def _start_vector(m: Model, deciding: dict[fx.Node, list[int]], start: dict[fx.Node, int],
-                  one: int) -> np.ndarray:
+def _start_vector(m: Model, deciding: dict[fx.Node, list[int]], start: dict[fx.Node, int], one: int,
+                  checkpointing: CheckpointingModel | None, start_ac: ACChoice | None) -> np.ndarray:
     """``start`` as a complete point of the model: the one-hot x of every deciding
     representative (a follower's x are its producer's), each edge variable 1 where both its ends
     are chosen, each move variable t at the largest of its rows. (Given only the x, HiGHS
@@ -324,6 +351,8 @@ def _start_vector(m: Model, deciding: dict[fx.Node, list[int]], start: dict[fx.N
     for r, vs in deciding.items():
         if r in start:
             val[vs[start[r]]] = 1.0
+    if checkpointing is not None:  # its counts first: the schedule's block rows read them
+        checkpointing.complete(val, start_ac)
     return complete(m, val)
 
 

@@ -180,6 +180,15 @@ class ScheduleObjective:
         else:
             self._add(self._block(v if j >= 0 else u), Load.EXPOSED, col, seconds)
 
+    def charge_recompute(self, col: int, seconds: float, node: fx.Node) -> None:
+        """``seconds`` (every copy's) on column ``col`` for running forward ``node`` again at the
+        start of its layer's backward (activation checkpointing decided by the ILP)."""
+        if seconds == 0.0:
+            return
+        if is_causal_attention(node):
+            seconds *= CAUSAL_WORK_FRACTION
+        self._add((Phase.BACKWARD, self._block(node)[1]), Load.COMPUTE, col, seconds)
+
     def split(self, keys: Sequence[EdgeKey]) -> list[list[EdgeKey]]:
         """One producer's edges into the groups that each pay a move to a placement once: a
         parameter's forward and backward readers apart (FSDP2 gathers it again in the backward)."""

@@ -6,6 +6,10 @@ argument, in ``tensor_args(node)`` order, or ``None`` where the plan does not co
 A consumer reading a producer's output in another placement implies a redistribution, which is
 where every collective of the plan comes from.
 
+``Plan.ac`` (``ACChoice``, optional) is the activation checkpointing the plan runs: per cluster of
+identical decoder layers, how many of them run none, selective or full (``plan/checkpointing.py``
+chooses it); a plan file without it (older files) runs no checkpointing unless told.
+
 Plans are saved as versioned JSON; a plan is tied to its model, its mesh and its graph (the
 graph fingerprint), and ``Plan.load`` + ``check_matches`` refuse one made for something else.
 """
@@ -22,6 +26,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from shardwise.errors import UserError
+from shardwise.passes.remat import ACPolicy, LayerPolicies
 from shardwise.plan.placement import Placements, parse_placements, placements_str
 
 PLAN_FORMAT_VERSION = 1
@@ -67,6 +72,67 @@ class CollectiveCount:
         return CollectiveCount(self.count + other.count, self.bytes + other.bytes)
 
 
+@dataclass(frozen=True)
+class ACGroup:
+    """One cluster of identical decoder layers (their indices) and how many of them run each
+    activation checkpointing policy. Which layers: the first ``full`` (lowest indices) full, the
+    next ``selective`` selective, the rest none (torchtitan's per-layer AC wraps chosen blocks;
+    the choice between identical layers changes neither the recompute time nor the saved bytes)."""
+
+    layers: tuple[int, ...]
+    none: int
+    selective: int
+    full: int
+
+    def __post_init__(self) -> None:
+        if min(self.none, self.selective, self.full) < 0 or \
+                self.none + self.selective + self.full != len(self.layers):
+            raise ValueError(f"an AC group of {len(self.layers)} layers cannot run {self.none} none, "
+                             f"{self.selective} selective and {self.full} full")
+
+    def count(self, policy: ACPolicy) -> int:
+        return {ACPolicy.NONE: self.none, ACPolicy.SELECTIVE: self.selective,
+                ACPolicy.FULL: self.full}[policy]
+
+    def policies(self) -> dict[int, ACPolicy]:
+        """Layer index -> its policy (see the class docstring)."""
+        order = ([ACPolicy.FULL] * self.full + [ACPolicy.SELECTIVE] * self.selective
+                 + [ACPolicy.NONE] * self.none)
+        return dict(zip(sorted(self.layers), order, strict=True))
+
+
+@dataclass(frozen=True)
+class ACChoice:
+    """The activation checkpointing of every decoder layer, by cluster of identical layers."""
+
+    groups: tuple[ACGroup, ...]
+
+    @classmethod
+    def uniform(cls, layers: list[int], policy: ACPolicy) -> ACChoice:
+        """Every layer in one group running ``policy``."""
+        n = len(layers)
+        return cls((ACGroup(tuple(sorted(layers)), *(n * (p is policy) for p in ACPolicy)),))
+
+    def layer_policies(self) -> LayerPolicies:
+        """One policy per decoder layer, in layer order (what the remat pass and the schedule take)."""
+        by_layer: dict[int, ACPolicy] = {}
+        for g in self.groups:
+            by_layer.update(g.policies())
+        return LayerPolicies(tuple(by_layer[k] for k in sorted(by_layer)))
+
+    def describe(self) -> str:
+        return self.layer_policies().describe()
+
+    def to_json(self) -> list[dict]:
+        return [{"layers": list(g.layers), "none": g.none, "selective": g.selective, "full": g.full}
+                for g in self.groups]
+
+    @classmethod
+    def from_json(cls, doc: list) -> ACChoice:
+        return cls(tuple(ACGroup(tuple(int(k) for k in g["layers"]), int(g["none"]), int(g["selective"]),
+                                 int(g["full"])) for g in doc))
+
+
 @dataclass
 class Estimate:
     """Predicted step: compute and communication time (seconds), memory per device (bytes)."""
@@ -99,6 +165,7 @@ class Plan:
     status: str = "fixed"
     mip_gap: float = 0.0
     info: dict = field(default_factory=dict)
+    ac: ACChoice | None = None  # None: no checkpointing recorded (runs none unless told)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -115,7 +182,7 @@ class Plan:
             "estimate": asdict(self.estimate),
             "collectives": {k: asdict(v) for k, v in self.collectives.items()},
             "fallback_ops": self.fallback_ops, "status": self.status, "mip_gap": self.mip_gap,
-            "info": self.info,
+            "info": self.info, "ac": None if self.ac is None else self.ac.to_json(),
         }
 
     @classmethod
@@ -145,6 +212,7 @@ class Plan:
                 collectives={k: CollectiveCount(**v) for k, v in doc["collectives"].items()},
                 fallback_ops=list(doc["fallback_ops"]), status=doc["status"], mip_gap=doc["mip_gap"],
                 info=doc.get("info", {}),
+                ac=None if doc.get("ac") is None else ACChoice.from_json(doc["ac"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"{what} is malformed ({e.__class__.__name__}: {e}).") from None

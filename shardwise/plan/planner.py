@@ -11,6 +11,7 @@ which is also how the report's collectives and memory are computed.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -24,12 +25,21 @@ from shardwise.cost.units import format_bytes
 from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
+from shardwise.passes.remat import ACPolicy
 from shardwise.plan.baselines import BASELINES, BaselineSpec, baseline_spec, node_filter, tensor_parallel_uses
 from shardwise.plan.cluster import Clustering, cluster, no_clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, IlpResult, MemoryModel, chosen_strategy, solve
 from shardwise.plan.placement import Placements, on_mesh, placements_str
-from shardwise.plan.plan import CollectiveCount, Estimate, NodeSpec, Plan, graph_fingerprint, tensor_args
+from shardwise.plan.plan import (
+    ACChoice,
+    CollectiveCount,
+    Estimate,
+    NodeSpec,
+    Plan,
+    graph_fingerprint,
+    tensor_args,
+)
 from shardwise.plan.solver import MIP_REL_GAP
 from shardwise.plan.strategies import NodeStrategies, Strategy, enumerate_strategies
 
@@ -111,16 +121,26 @@ def make_plan(
     costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
     say(f"solving the placement ILP (limit {time_limit_s:g} s)")
     points = _points(traced, ns, clus, start_from, budget)
-    start = _Start(points[0][1], _objective_s(points[0][0])) if points else None
+    start = _Start(points[0][1], _objective_s(points[0][0]), points[0][0].ac) if points else None
     started_from = points[0][0].name if points else None
-    linearised = None
+    linearised = checkpointing = None
     if step_options is not None and traced.train:
         from shardwise.cost.step import torchtitan_options
         from shardwise.plan.objective import ScheduleObjective
 
-        linearised = ScheduleObjective(traced, clus, costs, torchtitan_options(traced, **step_options))
+        given = step_options.get("ac")
+        if given is not ACPolicy.NONE:
+            # Decided per cluster of layers (None), or one policy fixed: the ILP prices the
+            # recomputation and the saved bytes itself (plan/checkpointing.py).
+            from shardwise.plan.checkpointing import CheckpointingModel
+
+            checkpointing = CheckpointingModel(traced, clus, costs, fixed=given,
+                                               compile=bool(step_options.get("compile")))
+        linearised = ScheduleObjective(traced, clus, costs,
+                                       torchtitan_options(traced, **{**step_options, "ac": ACPolicy.NONE}))
     res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
-                start=start.choice if start is not None else None, schedule=linearised, rel_gap=rel_gap)
+                start=start.choice if start is not None else None, schedule=linearised, rel_gap=rel_gap,
+                checkpointing=checkpointing, start_ac=start.ac if start is not None else None)
     if start is not None:
         res = _never_worse(res, start)
     timings["ilp_build_s"] = res.build_s
@@ -142,7 +162,10 @@ def make_plan(
     plan.params = {p: plan.nodes[ph].output[0] for p, ph in traced.params.items()}
     plan.outputs = _output_placements(traced, plan, mesh)
     plan.fallback_ops = sorted({str(n.target) for n, st in ns.items() if st.fallback})
+    plan.ac = res.ac
     est = estimate(traced, plan, costs, memory).total_s
+    if res.memory_bytes is not None and checkpointing is not None:
+        plan.estimate.memory_bytes = int(res.memory_bytes)  # the saved bytes as the AC chosen holds them
     objective_kind = "serial" if linearised is None else "schedule"
     objective = res.objective_s
     if objective_kind == "serial" and res.status != "optimal" and est < objective:
@@ -155,11 +178,15 @@ def make_plan(
         "objective_s": objective, "objective": objective_kind, "bound_s": res.bound_s,
         "started_from": started_from,
         "start_s": res.start_s, "timings": timings, "memory_budget_bytes": budget,
-        # The hand plans that are points of this ILP (they fit and keep the constraints).
+        # The hand plans that are points of this ILP (they fit and keep the constraints), and
+        # those that keep the constraints whatever the ILP's memory row says of them.
         "admissible": [p.name for p, _ in points],
+        "eligible": [p.name for p, _ in _points(traced, ns, clus, start_from, math.inf)],
         "ilp": {"variables": res.n_vars, "constraints": res.n_rows, "clusters": len(clus.clusters),
                 "representatives": len(clus.representatives), "nodes": len(clus.rep), **res.stats},
     }
+    if checkpointing is not None:
+        plan.info["ilp"]["checkpointing"] = {**checkpointing.stats, "decided": checkpointing.fixed is None}
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
     return plan
@@ -182,20 +209,126 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
     constraints = options.pop("constraints", None)
     _fixed_placeholders(traced, None, constraints)  # refuse a bad constraint before the baselines
     plans: dict[str, Plan | None] = {}
-    options["step_options"] = step_options or {}
+    step_options = step_options or {}
+    options["step_options"] = step_options
+    decide = traced.train and step_options.get("ac") is None
+    limit = _schedule_limit(mesh, options.get("memory_budget"))
     for name in baselines:
         say(f"pricing the {name} baseline")
-        plans[name] = make_plan(traced, mesh, baseline=name, **options)
+        plans[name] = (_baseline_with_ac(traced, mesh, name, limit, options) if decide
+                       else make_plan(traced, mesh, baseline=name, **options))
     starts = [b for b in plans.values() if b is not None and b.status not in NO_PLAN]
     auto = make_plan(traced, mesh, constraints=constraints, on_phase=on_phase, start_from=starts, **options)
+    if decide and auto.status not in NO_PLAN:
+        say("fitting the activation checkpointing to the step's memory")
+        auto = _fit_by_schedule(traced, mesh, auto, limit, constraints, starts, options)
     if traced.train and auto.status not in NO_PLAN:
         say("laying each plan's step out on streams")
-        auto = _fastest_by_schedule(traced, mesh, auto, plans, step_options or {})
+        # Deciding the checkpointing, whether a hand plan fits is the schedule's to say (the
+        # ILP's memory row is a model of it): every hand plan that keeps the constraints runs.
+        auto = _fastest_by_schedule(traced, mesh, auto, plans, step_options, limit,
+                                    "eligible" if decide else "admissible")
     return auto, plans
 
 
+# Policies in the order of their recomputation: a hand plan runs the first that fits (torchtitan
+# users turn activation checkpointing up until the step fits).
+AC_LADDER = (ACPolicy.NONE, ACPolicy.SELECTIVE, ACPolicy.FULL)
+# Solves after the first that set the ILP's budget from the step schedule of its last plan: the
+# ILP's memory row holds the state and the saved activations, not the transients, the gathered
+# parameters nor the allocator's cache, which the schedule counts (``_fit_by_schedule``).
+FIT_ROUNDS = 4
+# Head room kept under the limit when the budget is set from the schedule, and the smallest
+# change of budget worth a solve, as fractions of the limit (the schedule's peak is not exactly
+# linear in the saved bytes: the allocator rounds and caches).
+FIT_SLACK = 0.01
+
+
+def _schedule_limit(mesh: Mesh, memory_budget: float | None) -> float:
+    """The peak the step schedule checks a plan against: the user's budget, else the device's."""
+    return get_hardware(mesh.hardware).mem_capacity if memory_budget is None else float(memory_budget)
+
+
+def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, options: dict) -> Plan | None:
+    """The hand plan ``name`` run with the first policy of ``AC_LADDER`` whose step fits
+    ``limit`` by the schedule (every layer the same, as torchtitan configures it); the last
+    that solved where none fits. None where it does not apply.
+
+    Its free choices are made twice, by this planner's objective within its budget and as
+    ``shardwise estimate --plan NAME`` makes them (the serial objective, no budget: the faithful
+    plan ``benchmarks/fidelity.py`` prices); the faster by the schedule that fits is the plan."""
+    from shardwise.cost.step import price_plan, regions_layers
+
+    last = None
+    layers = sorted(regions_layers(traced))
+    for policy in AC_LADDER:
+        so = {**options["step_options"], "ac": policy}
+        plan = make_plan(traced, mesh, baseline=name, **{**options, "step_options": so})
+        if plan is None:
+            return None
+        if plan.status in NO_PLAN:
+            last = last or plan
+            continue
+        plan.ac = plan.ac or ACChoice.uniform(layers, policy)
+        last = plan
+        if price_plan(traced, plan, mesh, options["step_options"], limit).fits:
+            faithful = make_plan(traced, mesh, baseline=name,
+                                 **{**options, "memory_budget": math.inf, "step_options": None})
+            if faithful is None or faithful.status in NO_PLAN:
+                break
+            faithful.ac = ACChoice.uniform(layers, policy)
+            est = price_plan(traced, faithful, mesh, options["step_options"], limit)
+            if est.fits and est.step_s < plan.info["schedule"]["step_s"]:
+                faithful.info["free_choices"] = "serial objective, no budget (shardwise estimate --plan NAME)"
+                faithful.info["memory_budget_bytes"] = None  # none: not inf, which JSON lacks
+                return faithful
+            break
+    return last
+
+
+def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, constraints,
+                     starts: list[Plan], options: dict) -> Plan:
+    """Solve again with the ILP's budget set from the step schedule (``FIT_ROUNDS`` at most):
+    first the limit less what the schedule held beyond the ILP's memory row in the last plan;
+    once one budget gave a plan that fits and another one that does not, halfway between them.
+    Returns the fastest plan that fits by the schedule, else the last one solved."""
+    from shardwise.cost.step import price_plan
+
+    budget = auto.info["memory_budget_bytes"]
+    best: tuple[float, Plan] | None = None
+    fits_at, over_at = -math.inf, math.inf  # the largest budget that fit, the smallest that did not
+    for k in range(FIT_ROUNDS + 1):
+        est = price_plan(traced, auto, mesh, options["step_options"], limit)
+        log.info("ILP budget %s: AC %s, memory row %s, step %.4f s, peak %s (%s)", format_bytes(budget),
+                 est.ac, format_bytes(auto.estimate.memory_bytes), est.step_s,
+                 format_bytes(est.memory_per_device_bytes), "fits" if est.fits else "does not fit")
+        if est.fits:
+            fits_at = max(fits_at, budget)
+            if best is None or est.step_s < best[0]:
+                best = (est.step_s, auto)
+        else:
+            over_at = min(over_at, budget)
+        if k == FIT_ROUNDS:
+            break
+        if math.isfinite(fits_at) and math.isfinite(over_at):
+            new = (fits_at + over_at) / 2.0
+        else:
+            new = limit * (1.0 - FIT_SLACK) - (est.memory_per_device_bytes - auto.estimate.memory_bytes)
+            if est.fits and new < budget:
+                break  # a lower budget cannot give a faster plan
+        if new <= 0.0 or abs(new - budget) <= FIT_SLACK * limit or over_at - fits_at <= FIT_SLACK * limit:
+            break  # no budget left, or no change worth a solve
+        budget = new
+        again = make_plan(traced, mesh, constraints=constraints, start_from=starts,
+                          **{**options, "memory_budget": budget})
+        if again.status in NO_PLAN:
+            break
+        auto = again
+    return best[1] if best is not None else auto
+
+
 def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str, Plan | None],
-                         step_options: dict) -> Plan:
+                         step_options: dict, limit: float | None = None, among: str = "admissible") -> Plan:
     """Price ``auto`` and every hand plan by the step schedule (``plan.info["schedule"]``);
     the auto plan is the fastest of the ILP's solution and the admissible hand plans. A hand
     plan that wins is returned as the auto plan, with ``chosen_from`` naming it and
@@ -205,14 +338,17 @@ def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str,
     # A hand plan must be faster by more than this relative margin to replace the ILP's plan
     # (float rounding of the schedule's sums).
     tie = 1e-9
-    price_plan(traced, auto, mesh, step_options)
+    price_plan(traced, auto, mesh, step_options, limit)
     for b in hand.values():
         if b is not None and b.status not in NO_PLAN:
-            price_plan(traced, b, mesh, step_options)
+            price_plan(traced, b, mesh, step_options, limit)
     best = auto
-    for name in auto.info.get("admissible", []):
+    for name in auto.info.get(among, []):
         b = hand[name]
-        if b.info["schedule"]["step_s"] < best.info["schedule"]["step_s"] * (1.0 - tie):
+        s, t = b.info["schedule"], best.info["schedule"]
+        # A plan that fits beats one that does not; then the faster.
+        faster = s["step_s"] < t["step_s"] * (1.0 - tie)
+        if (s["fits"] and not t["fits"]) or (s["fits"] == t["fits"] and faster):
             best = b
     if best is auto:
         auto.info["chosen_from"] = "ilp"
@@ -247,6 +383,7 @@ class _Start:
 
     choice: dict[fx.Node, int]
     objective_s: float
+    ac: ACChoice | None = None
 
 
 def _points(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
@@ -284,7 +421,7 @@ def _never_worse(res: IlpResult, start: _Start) -> IlpResult:
     bound = min(res.bound_s, price)
     gap = (price - bound) / price if price > 0.0 else 0.0
     return replace(res, status="feasible" if gap > tie else "optimal", objective_s=price,
-                   mip_gap=gap, bound_s=bound, choice=start.choice)
+                   mip_gap=gap, bound_s=bound, choice=start.choice, ac=start.ac)
 
 
 def _choices_of(plan: Plan, ns: dict[fx.Node, NodeStrategies], clus: Clustering) -> dict[fx.Node, int] | None:

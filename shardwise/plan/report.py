@@ -68,4 +68,7 @@ def plan_summary(plan: Plan) -> dict:
         "memory_per_device_bytes": plan.estimate.memory_bytes,
         "collectives": {k: {"count": v.count, "bytes": v.bytes} for k, v in plan.collectives.items()},
         "fallback_ops": plan.fallback_ops,
+        # Activation checkpointing per cluster of identical layers (None: not recorded, runs none).
+        "ac": None if plan.ac is None else plan.ac.to_json(),
+        "ac_policy": "none" if plan.ac is None else plan.ac.describe(),
     }

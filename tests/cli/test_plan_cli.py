@@ -18,7 +18,7 @@ from shardwise.plan import Plan, make_plan
 
 JSON_KEYS = {"status", "objective_s", "mip_gap", "bound_s", "started_from", "timings", "ilp", "baselines",
              "params", "outputs", "memory_per_device_bytes", "collectives", "fallback_ops", "estimate",
-             "plans", "step_s", "chosen_from"}
+             "plans", "step_s", "chosen_from", "ac", "ac_policy", "ac_given"}
 TINY = ["--model", "llama-tiny", "--layers", "1", "--batch", "8", "--seq", "32"]
 # The gap the schedule objective's refinement may leave on a tiny model (plan/objective.py).
 MIP_GAP_AFTER_REFINE = 0.01

@@ -1,0 +1,158 @@
+"""Does the planner, choosing activation checkpointing itself, match torchtitan's hand plans?
+
+    .venv/bin/python benchmarks/ac_plan.py [--rows 8b-8,8b-64,70b-256] [--time-limit 60]
+
+Issue 15's acceptance line: the torchtitan configurations of issue 10 (``benchmarks/fidelity.py``:
+Llama 3.1 8B on 8 GPUs FSDP local batch 2, eager and compiled; 8B on 64 GPUs FSDP 8 x TP 8 local
+batch 12, compiled, with and without async TP; 70B on 256 GPUs FSDP 32 x TP 8 local batch 16,
+compiled, with and without async TP; sequence 8192, bf16) on their 96 GB H100 (``h100-96gb``):
+the auto plan fits, with activation checkpointing chosen by the ILP (``plan/checkpointing.py``),
+and is estimated at least as fast as the faithful hand plan.
+
+Each row prints
+
+- the faithful hand plan as torchtitan runs it (``fsdp`` or ``fsdp_tp_sp``, its AC: selective for
+  8B, full for 70B), priced as ``benchmarks/fidelity.py`` prices it: tokens/s per GPU, peak
+  memory (the caching allocator's reserved peak), whether it fits 96 GB;
+- the auto plan (``shardwise plan`` without ``--ac``: the planner decides the AC per cluster of
+  identical layers; the hand plans it compares with run the first of none/selective/full that
+  fits), priced by the same step schedule: tokens/s, memory, fits, the AC chosen;
+- auto / hand tokens/s, and the wall time of planning (tracing excluded).
+
+``--size`` prints instead what the AC decision adds to the ILP: variables, rows, build and solve
+time of one solve of the auto plan (no baselines, no start) without it (``--ac none``: no
+checkpointing columns) and with it (decided), with the budget lifted (without checkpointing
+nothing fits), and decided within the default budget.
+
+Every model is traced at its full depth (the AC choice names every layer), unlike
+``fidelity.py``'s 70B rows, which extrapolate from 3 and 5 layers.
+
+Measured (acdecide branch, a loaded 2-core machine, ``--time-limit 60``): every auto plan fits
+96 GB with a mixed AC chosen by the ILP, auto / hand 1.008 (8B 8 GPU eager: none x 2, selective
+x 30), 1.036 (compiled: none x 16, selective x 15, full x 1), 1.462 and 1.239 (8B 64 GPU, without
+and with async TP: none x 27, selective x 4, full x 1), 1.355 and 1.175 (70B 256 GPU: selective
+x 5, full x 75); planning 15-19 s (8B 8 GPU), 174-177 s (8B 64 GPU), 386-424 s (70B 256 GPU),
+each the baselines' three policies, the auto solve and up to four re-solves of its budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+from fidelity import C8, C64, C256, SEQ, Config
+from rich.console import Console
+from rich.table import Table
+
+from shardwise.cost.hardware import get_hardware
+from shardwise.cost.step import estimate_prepared, plan_for, price_plan, regions_layers, tokens_per_step
+from shardwise.ir.trace import trace_model
+from shardwise.mesh import parse_mesh
+from shardwise.passes.pipeline import canonicalize
+from shardwise.passes.remat import ACPolicy
+from shardwise.plan.planner import plan_with_baselines
+
+HARDWARE = "h100-96gb"
+GIB = 2**30
+TABLE_WIDTH = 190
+NO_BUDGET = 2.0**60  # bytes: a memory row nothing reaches
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    config: Config
+    ac: ACPolicy  # torchtitan's
+    compile: bool
+    async_tp: bool
+
+
+GROUPS = {
+    "8b-8": [Row("8B 8 GPU FSDP lb2 eager", C8, ACPolicy.SELECTIVE, False, False),
+             Row("8B 8 GPU FSDP lb2 compiled", C8, ACPolicy.SELECTIVE, True, False)],
+    "8b-64": [Row("8B 64 GPU FSDP8xTP8 lb12 compiled", C64, ACPolicy.SELECTIVE, True, False),
+              Row("8B 64 GPU FSDP8xTP8 lb12 compiled async TP", C64, ACPolicy.SELECTIVE, True, True)],
+    "70b-256": [Row("70B 256 GPU FSDP32xTP8 lb16 compiled", C256, ACPolicy.FULL, True, False),
+                Row("70B 256 GPU FSDP32xTP8 lb16 compiled async TP", C256, ACPolicy.FULL, True, True)],
+}
+
+
+def measure(row: Row, traced, mesh, time_limit_s: float) -> dict:
+    cfg = row.config
+    hw = get_hardware(HARDWARE)
+    opts = {"compile": row.compile, "async_tp": row.async_tp}
+    hand = plan_for(traced, mesh, cfg.plan)
+    h = estimate_prepared([(traced, hand)], cfg.layers, tokens_per_step(traced), mesh, hw,
+                          {**opts, "ac": row.ac})
+    t0 = time.perf_counter()
+    auto, _ = plan_with_baselines(traced, mesh, step_options=opts, time_limit_s=time_limit_s)
+    plan_s = time.perf_counter() - t0
+    a = price_plan(traced, auto, mesh, opts)
+    return {"hand": h, "auto": a, "plan": auto, "plan_s": plan_s}
+
+
+def size(group: str, time_limit_s: float) -> list[dict]:
+    """One auto solve without and with the AC decision (see the module docstring)."""
+    from shardwise.plan import make_plan
+
+    row = GROUPS[group][0]
+    cfg = row.config
+    mesh = parse_mesh(cfg.mesh, cfg.names, HARDWARE)
+    traced = trace_model(cfg.model, layers=cfg.layers, batch=cfg.batch, seq=SEQ, dtype="bf16")
+    canonicalize(traced)
+    out = []
+    # Without checkpointing these configurations fit no budget: the first two rows lift it.
+    for label, ac, budget in (("no AC columns", ACPolicy.NONE, NO_BUDGET), ("AC decided", None, NO_BUDGET),
+                              ("AC decided, 96 GB", None, None)):
+        so = {"compile": row.compile, "async_tp": row.async_tp, "ac": ac}
+        plan = make_plan(traced, mesh, time_limit_s=time_limit_s, step_options=so, memory_budget=budget)
+        ilp, tm = plan.info["ilp"], plan.info["timings"]
+        out.append({"config": group, "ILP": label, "variables": ilp["variables"], "rows": ilp["constraints"],
+                    "build_s": round(tm["ilp_build_s"], 2), "solve_s": round(tm["solve_s"], 2),
+                    "status": plan.status, "AC": plan.ac.describe() if plan.ac else "none"})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=",".join(GROUPS), help="comma-separated: " + ", ".join(GROUPS))
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--size", action="store_true", help="print what the AC decision adds to the ILP")
+    args = ap.parse_args()
+    con = Console(width=TABLE_WIDTH)
+    if args.size:
+        from rows import print_rows
+
+        rows = [r for g in args.rows.split(",") for r in size(g, args.time_limit)]
+        print_rows(rows, ("config", "ILP", "variables", "rows", "build_s", "solve_s", "status", "AC"))
+        return
+    t = Table(title=f"auto plans with activation checkpointing chosen vs torchtitan's hand plans "
+                    f"({HARDWARE}, tokens/s per GPU by the step schedule)")
+    for col in ("configuration", "hand plan (AC)", "hand tok/s", "hand GiB", "hand fits",
+                "auto AC (chosen from)", "auto tok/s", "auto GiB", "auto fits", "auto / hand", "plan s",
+                ">= hand and fits"):
+        t.add_column(col)
+    for group in args.rows.split(","):
+        rows = GROUPS[group]
+        cfg = rows[0].config
+        mesh = parse_mesh(cfg.mesh, cfg.names, HARDWARE)
+        traced = trace_model(cfg.model, layers=cfg.layers, batch=cfg.batch, seq=SEQ, dtype="bf16")
+        canonicalize(traced)
+        assert len(regions_layers(traced)) == cfg.layers
+        for row in rows:
+            r = measure(row, traced, mesh, args.time_limit)
+            h, a, plan = r["hand"], r["auto"], r["plan"]
+            ratio = a.tokens_per_s_per_device / h.tokens_per_s_per_device
+            ok = a.fits and ratio >= 1.0 - 1e-9
+            t.add_row(row.label, f"{cfg.plan} ({row.ac.value})", f"{h.tokens_per_s_per_device:,.1f}",
+                      f"{h.memory_per_device_bytes / GIB:.1f}", "yes" if h.fits else "no",
+                      f"{a.ac} ({plan.info.get('chosen_from', 'ilp')})", f"{a.tokens_per_s_per_device:,.1f}",
+                      f"{a.memory_per_device_bytes / GIB:.1f}", "yes" if a.fits else "no", f"{ratio:.3f}",
+                      f"{r['plan_s']:.1f}", "yes" if ok else "[red]NO[/]")
+            con.print(f"{row.label}: done ({r['plan_s']:.1f} s)")
+    con.print(t)
+
+
+if __name__ == "__main__":
+    main()

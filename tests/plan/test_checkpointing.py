@@ -1,0 +1,126 @@
+"""Activation checkpointing decided by the placement ILP (``plan/checkpointing.py``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardwise.cost.step import price_plan
+from shardwise.ir.trace import trace_model
+from shardwise.mesh import parse_mesh
+from shardwise.passes.pipeline import canonicalize
+from shardwise.passes.remat import ACPolicy
+from shardwise.plan import make_plan
+from shardwise.plan.planner import NO_PLAN, plan_with_baselines
+
+LAYERS, BATCH, SEQ = 4, 8, 256
+BIG = 2**40  # a budget nothing reaches
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tr = trace_model("llama-tiny", layers=LAYERS, batch=BATCH, seq=SEQ)
+    canonicalize(tr)
+    return tr
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return parse_mesh("2", None, "h100")
+
+
+def _ddp(tiny, mesh, budget, ac=None):
+    return make_plan(tiny, mesh, baseline="ddp", memory_budget=budget, step_options={"ac": ac})
+
+
+@pytest.fixture(scope="module")
+def uniform(tiny, mesh):
+    """The ddp placements with every layer none (decided under no memory pressure), selective,
+    full: (ILP memory row, ILP objective) each."""
+    out = {ACPolicy.NONE: _ddp(tiny, mesh, BIG)}
+    for p in (ACPolicy.SELECTIVE, ACPolicy.FULL):
+        out[p] = _ddp(tiny, mesh, BIG, p)
+    return {p: (plan.estimate.memory_bytes, plan.info["objective_s"], plan) for p, plan in out.items()}
+
+
+def test_no_memory_pressure_runs_no_checkpointing(uniform):
+    plan = uniform[ACPolicy.NONE][2]
+    assert plan.ac.describe() == "none"
+    assert plan.info["ilp"]["checkpointing"]["decided"]
+
+
+def test_a_fixed_policy_is_not_decided(uniform):
+    for p in (ACPolicy.SELECTIVE, ACPolicy.FULL):
+        plan = uniform[p][2]
+        assert plan.ac.describe() == p.value
+        assert not plan.info["ilp"]["checkpointing"]["decided"]
+    mem = [uniform[p][0] for p in (ACPolicy.FULL, ACPolicy.SELECTIVE, ACPolicy.NONE)]
+    obj = [uniform[p][1] for p in (ACPolicy.NONE, ACPolicy.SELECTIVE, ACPolicy.FULL)]
+    assert mem == sorted(set(mem)) and obj == sorted(set(obj))
+
+
+def test_a_budget_between_policies_mixes_them_exactly(tiny, mesh, uniform):
+    """With a budget between all-none and all-selective, some layers run none and the others
+    checkpoint; the memory row at the solution is exactly the layers' mix of the uniform ones
+    (the linearisation is exact), within the budget, and the objective lies between."""
+    (m_none, o_none, _), (m_sel, o_sel, _), (m_full, o_full, _) = (
+        uniform[p] for p in (ACPolicy.NONE, ACPolicy.SELECTIVE, ACPolicy.FULL))
+    budget = (m_none + m_sel) / 2
+    plan = _ddp(tiny, mesh, budget)
+    (g,) = plan.ac.groups
+    assert 0 < g.none < LAYERS and g.selective + g.full > 0
+    mix = m_none + (g.selective * (m_sel - m_none) + g.full * (m_full - m_none)) / LAYERS
+    assert plan.estimate.memory_bytes == pytest.approx(mix, rel=1e-9)
+    assert plan.estimate.memory_bytes <= budget
+    assert o_none < plan.info["objective_s"] < o_full
+    # The more memory, the fewer layers recompute.
+    roomier = _ddp(tiny, mesh, (budget + m_none) / 2).ac.groups[0]
+    assert roomier.none >= g.none
+
+
+def test_no_policy_fits_a_budget_under_full(tiny, mesh, uniform):
+    assert _ddp(tiny, mesh, uniform[ACPolicy.FULL][0] * 0.9).status in NO_PLAN
+
+
+def test_hand_plans_run_the_first_policy_that_fits_and_auto_beats_them(tiny, mesh):
+    """A limit under the no-checkpointing step's peak: every hand plan that applies runs the
+    first of none, selective, full that fits by the schedule, and the auto plan fits and is
+    at least as fast as each of them."""
+    limit = 20 * MiB
+    auto, hand = plan_with_baselines(tiny, mesh, memory_budget=limit, step_options={})
+    assert auto.ac is not None and auto.info["schedule"]["fits"]
+    for name, b in hand.items():
+        if b is None or b.status in NO_PLAN:
+            continue
+        s = b.info["schedule"]
+        assert s["fits"] and s["options"]["ac"] != "none", name
+        assert price_plan(tiny, b, mesh, {"ac": ACPolicy.NONE}, limit).fits is False
+        assert auto.info["schedule"]["step_s"] <= s["step_s"] * (1 + 1e-9), name
+    assert price_plan(tiny, auto, mesh, {}, limit).step_s == pytest.approx(auto.info["schedule"]["step_s"],
+                                                                             rel=1e-12)
+
+
+def _cli(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "shardwise", *args, "--json"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)  # exactly one JSON object
+
+
+def test_cli_plan_prints_the_chosen_ac_and_estimate_of_the_saved_plan_agrees(tmp_path):
+    model = ("--model", "llama-tiny", "--layers", str(LAYERS), "--batch", str(BATCH), "--seq", str(SEQ),
+             "--mesh", "2", "--hardware", "h100")
+    path = tmp_path / "auto.json"
+    out = _cli("plan", *model, "--memory", "20MiB", "--save", str(path))
+    auto = out["plans"]["auto"]
+    assert auto["fits"] and auto["ac"] == out["ac_policy"] != "none"
+    assert not out["ac_given"]
+    est = _cli("estimate", *model, "--memory", "20MiB", "--plan", str(path))
+    assert est["ac"] == auto["ac"] and est["fits"]
+    assert est["step_s"] == pytest.approx(auto["step_s"], rel=1e-9)
+    fixed = _cli("plan", *model, "--ac", "full", "--no-baselines")
+    assert fixed["ac_policy"] == fixed["plans"]["auto"]["ac"] == "full" and fixed["ac_given"]
