@@ -31,8 +31,7 @@ PASSES: dict[str, str] = {
 # passes. ``inplace_all_reduce`` makes the graph mutate a buffer, so it comes last.
 RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits", "inplace_all_reduce")
 # Before torch.compile: the ones that keep the graph functional (Dynamo traces functional
-# collectives only). Inductor keeps the order of the collectives and waits it is given, so the
-# waits are sunk first.
+# collectives only); the waits are sunk so that the graph Inductor starts from overlaps them.
 COMPILED_RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits")
 
 
