@@ -11,6 +11,7 @@ from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import BASELINES, Constraints, estimate, make_plan
 from shardwise.plan.planner import plan_with_baselines
+from shardwise.plan.solver import MIP_REL_GAP
 
 MESH = Mesh((2, 2), ("dp", "tp"), "h100")
 # So short that HiGHS stops before it has read the start point or found any plan of its own.
@@ -62,7 +63,8 @@ def test_with_time_the_solver_improves_on_the_start_and_bounds_it(tiny):
     assert auto.info["objective_s"] < best
     # the bound is the relaxed first solve's (plan/objective.py): within 1% of the objective here
     assert auto.info["bound_s"] <= auto.info["objective_s"] <= auto.info["bound_s"] * 1.01
-    assert auto.mip_gap == pytest.approx(1 - auto.info["bound_s"] / auto.info["objective_s"], abs=1e-9)
+    # "optimal" reports a gap of 0 where HiGHS stopped within its own tolerance of the bound.
+    assert auto.mip_gap == pytest.approx(1 - auto.info["bound_s"] / auto.info["objective_s"], abs=MIP_REL_GAP)
     step = min(p.info["schedule"]["step_s"] for p in hand.values() if p is not None)
     assert auto.info["schedule"]["step_s"] <= step * (1 + 1e-9)
 
