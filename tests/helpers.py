@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -12,6 +15,7 @@ import torch.multiprocessing as mp
 from torch import fx
 
 DATA = Path(__file__).parent / "data"
+REPO = DATA.parents[1]
 HF_TINY = {name: DATA / f"hf_tiny_{name}" / "config.json" for name in ("llama", "mistral", "qwen2")}
 # Real parameters are drawn at this scale so a few layers of a tiny model stay well conditioned.
 PARAM_SCALE = 0.1
@@ -72,3 +76,39 @@ def real_inputs_for(gm: fx.GraphModule, seed: int = 0, vocab: int = 256) -> list
 # Multi-process tests start several ranks on a machine with few cores (CI: 2) where start-up
 # alone can take tens of seconds under load; they get this run timeout instead of the default.
 SLOW_MACHINE_TIMEOUT_S = 150.0
+
+
+# Seconds one ``shardwise`` subprocess may take on a loaded 2-core machine before a test gives up.
+CLI_TIMEOUT_S = 600
+
+
+def cli(*argv: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``python -m shardwise ARGV`` as a user runs it: a subprocess, its stdout and stderr as text."""
+    return cli_all([argv], timeout_s)[0]
+
+
+def json_object(proc: subprocess.CompletedProcess) -> dict:
+    """A command's whole stdout parsed as JSON: it must have succeeded and printed one object."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert isinstance(out, dict)
+    return out
+
+
+def cli_all(argvs: Sequence[Sequence[str]],
+            timeout_s: float = CLI_TIMEOUT_S) -> list[subprocess.CompletedProcess]:
+    """Independent ``shardwise`` commands run side by side (most of a short one's wall time is
+    importing torch and waiting on its ranks, which overlap), their results in ``argvs``' order."""
+    procs = [(list(argv), subprocess.Popen([sys.executable, "-m", "shardwise", *argv], cwd=REPO, text=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+             for argv in argvs]
+    done = []
+    for argv, proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for _, p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
+    return done

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -13,14 +12,14 @@ from shardwise.ir.trace import trace_model
 from shardwise.mesh import parse_mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import make_plan
+from tests.helpers import cli, cli_all
 
 TINY = ["--model", "llama-tiny", "--batch", "8", "--seq", "64"]
 BREAKDOWN = {"compute_s", "recompute_s", "comm_s", "exposed_comm_s", "hidden_comm_s", "optimizer_s"}
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardwise", "estimate", *args], capture_output=True,
-                          text=True, timeout=300)
+    return cli("estimate", *args)
 
 
 def test_json_report_and_timelines(tmp_path):
@@ -60,18 +59,21 @@ def _refused(r: subprocess.CompletedProcess, *words: str) -> None:
 
 
 def test_bad_input_is_one_sentence(tmp_path, hf_tiny_config):
-    _refused(_cli(*TINY, "--mesh", "2", "--plan", "fsdp", "--ac", "sometimes"), "--ac", "selective")
-    # async TP on a mesh without a tp dim, and on a plan that shards nothing over tp
-    _refused(_cli(*TINY, "--mesh", "2", "--plan", "fsdp", "--async-tp"), "tp")
-    _refused(_cli(*TINY, "--mesh", "2x2", "--mesh-names", "dp,tp", "--plan", "fsdp", "--async-tp"),
-             "fsdp", "tp")
     # a plan file made for another model
     traced = trace_model("llama-tiny", batch=8, seq=64)
     canonicalize(traced)
     path = tmp_path / "tiny.json"
     make_plan(traced, parse_mesh("2"), baseline="fsdp").save(path)
-    _refused(_cli("--model", f"hf:{hf_tiny_config}", "--batch", "8", "--seq", "64", "--mesh", "2",
-                  "--plan", str(path)), "llama-tiny")
+    cases = [
+        ([*TINY, "--mesh", "2", "--plan", "fsdp", "--ac", "sometimes"], ("--ac", "selective")),
+        # async TP on a mesh without a tp dim, and on a plan that shards nothing over tp
+        ([*TINY, "--mesh", "2", "--plan", "fsdp", "--async-tp"], ("tp",)),
+        ([*TINY, "--mesh", "2x2", "--mesh-names", "dp,tp", "--plan", "fsdp", "--async-tp"], ("fsdp", "tp")),
+        (["--model", f"hf:{hf_tiny_config}", "--batch", "8", "--seq", "64", "--mesh", "2",
+          "--plan", str(path)], ("llama-tiny",)),
+    ]
+    for (_, words), proc in zip(cases, cli_all([["estimate", *argv] for argv, _ in cases]), strict=True):
+        _refused(proc, *words)
 
 
 def test_memory_report():

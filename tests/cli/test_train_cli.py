@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import HF_TINY
+from tests.helpers import HF_TINY, cli, cli_all
 
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 600
 MESH_2X2 = ["--mesh", "2x2", "--mesh-names", "dp,tp"]
 
 
 def shardwise(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "shardwise", *args], capture_output=True, text=True,
-                          timeout=TIMEOUT_S, cwd=REPO)
+    proc = cli(*args)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -140,8 +135,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
         "positive integer": [*base[:-2], "--steps", "0"],
         "unknown activation checkpointing policy": [*base, "--ac", "most"],
     }
-    for needle, argv in cases.items():
-        proc = shardwise(*argv, "--json", check=False)
+    for needle, proc in zip(cases, cli_all([[*argv, "--json"] for argv in cases.values()]), strict=True):
         assert proc.returncode == 2, (needle, proc.stderr)
         assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
