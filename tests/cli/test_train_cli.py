@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.helpers import HF_TINY, cli, cli_all
+from tests.helpers import HF_TINY, cli, cli_all, json_object
 
 MESH_2X2 = ["--mesh", "2x2", "--mesh-names", "dp,tp"]
 
@@ -32,17 +32,19 @@ def max_rel(a: list[float], b: list[float]) -> float:
 @pytest.mark.slow
 def test_train_fsdp_tp_sp_with_passes_matches_one_process_and_resumes_anywhere(tmp_path):
     """The headline run, then the same curve cut in two: resumed on the same plan, and on another
-    plan and mesh (DCP reshards the checkpoint)."""
-    common = ["--model", "llama-tiny", "--steps", "20"]
+    plan and mesh (DCP reshards the checkpoint). Independent runs go side by side."""
+    common = ["train", "--json", "--model", "llama-tiny", "--steps", "20"]
     sp = [*MESH_2X2, "--plan", "fsdp_tp_sp", "--passes", "sequence_parallel,collective_matmul"]
-    straight = train(*common, *sp, "--check")
+    ck = tmp_path / "ck"
+    straight, first = map(json_object, cli_all([
+        [*common, *sp, "--check"],
+        [*common, *sp, "--stop-at", "10", "--save-dir", str(ck), "--save-every", "5"],
+    ]))
     assert straight["world_size"] == 4 and straight["plan"] == "fsdp_tp_sp"
     assert len(straight["losses"]) == 20 and straight["max_rel_diff"] <= 1e-4
     assert straight["losses"][-1] < straight["losses"][0] - 1.0
     assert straight["tokens_per_s"] > 0 and straight["step_s"] > 0
 
-    ck = tmp_path / "ck"
-    first = train(*common, *sp, "--stop-at", "10", "--save-dir", str(ck), "--save-every", "5")
     assert first["checkpoints"] == [str(ck / "step-000005"), str(ck / "step-000010")]
     assert (ck / "latest").read_text() == "step-000010"
     assert len((ck / "metrics.jsonl").read_text().splitlines()) == 10 and (ck / "loss.png").stat().st_size
@@ -51,9 +53,11 @@ def test_train_fsdp_tp_sp_with_passes_matches_one_process_and_resumes_anywhere(t
     # A save that died half-way (a step-15 dir never completed) leaves step 10 in charge.
     (ck / "step-000015.tmp").mkdir()
     (ck / "step-000015.tmp" / "__0_0.distcp").write_bytes(b"partial")
-    same = train(*common, *sp, "--resume", str(ck))
+    same, other = map(json_object, cli_all([
+        [*common, *sp, "--resume", str(ck)],
+        [*common, "--mesh", "4", "--plan", "ddp", "--resume", str(ck), "--check"],
+    ]))
     assert same["first_step"] == 10 and max_rel(same["losses"], straight["losses"][10:]) <= 1e-6
-    other = train(*common, "--mesh", "4", "--plan", "ddp", "--resume", str(ck), "--check")
     assert max_rel(other["losses"], straight["losses"][10:]) <= 1e-5
     assert other["max_rel_diff"] <= 1e-4  # its reference resumed from the same checkpoint
 
