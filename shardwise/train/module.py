@@ -48,6 +48,7 @@ from shardwise.mesh import Mesh, destroy_world
 from shardwise.passes import COMPILED_RUNTIME_PASSES, RUNTIME_PASSES, remat, run_passes
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan.plan import Plan
+from shardwise.runtime.heap import retain_freed_memory
 from shardwise.runtime.launch import real_constants, retarget_device
 
 # Standard deviation of the normal draw for matrices (embeddings and projections): the usual
@@ -279,6 +280,8 @@ class ParallelModule(nn.Module):
                        "compile": compile}
         self.device_mesh = device_mesh
         self.plan = plan
+        if device_mesh.device_type == "cpu":
+            retain_freed_memory()  # steps reuse the heap instead of faulting it back in (runtime/heap.py)
         self._train_prog = self._bind(traced, plan, traced_model)
         self._eval_prog: _Program | None = None
         self._checked_init = False
