@@ -238,6 +238,7 @@ class _Program:
     grad_layouts: list[Layout | None]  # per parameter (training)
     run: Callable  # runs the program: its graph module, or that module compiled
     _grad_specs: dict[tuple[int, torch.dtype], DTensorSpec] = field(default_factory=dict)
+    _owners: list[tuple[nn.Module, str]] | None = None  # (module, attribute) of each parameter
 
     def grad_specs(self, grads: Sequence[torch.Tensor | None]) -> list[DTensorSpec | None]:
         """Each gradient's DTensor spec (its layout on the mesh), built once per layout."""
@@ -253,8 +254,12 @@ class _Program:
         return out
 
     def parameters(self) -> list[nn.Parameter]:
-        named = dict(self.module.named_parameters())
-        return [named[k] for k in self.params]
+        # Each step reads every parameter off its owning module (one getattr each, not a walk of
+        # the module tree), so a parameter the user replaced (load_state_dict(assign=True)) is seen.
+        if self._owners is None:
+            self._owners = [(self.module.get_submodule(owner), attr)
+                            for owner, _, attr in (k.rpartition(".") for k in self.params)]
+        return [getattr(owner, attr) for owner, attr in self._owners]
 
 
 # ---------------------------------------------------------------------------------------------
