@@ -208,7 +208,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                    help="AdamW implementation, the same for every loop")
     p.add_argument("--mem-model", default="llama3-8b")
