@@ -108,6 +108,8 @@ class ScheduleObjective:
         gm = self.traced.gm
         self.region = regions(self.traced) or {n: HEAD for n in gm.graph.nodes}
         self.param_nodes = {self.traced.node(ph) for ph in self.traced.params.values()}
+        layers = [r for r in self.region.values() if 0 <= r < TAIL]
+        self.last_layer = max(layers) if layers else None
         train = self.traced.train and self.options.ac is not ACPolicy.NONE
         self.recompute = set(recompute_plan(gm, self.options.ac).recompute) if train else set()
         # Blocks in the order the schedule runs them (forward: head, layers, tail; backward:
@@ -137,6 +139,10 @@ class ScheduleObjective:
         """The blocks a (representative's) block stands for."""
         return self.members.get(self.canon.get(block, block), [block])
 
+    def _root(self, node: fx.Node) -> bool:
+        """``node`` lies outside the decoder layers (FSDP2's root module)."""
+        return not 0 <= self._block(node)[1] < TAIL
+
     def _is_param(self, u: fx.Node) -> bool:
         while u.op == "call_function" and is_view(u) and u.all_input_nodes:
             u = u.all_input_nodes[0]
@@ -157,23 +163,33 @@ class ScheduleObjective:
             return
         u, v, j = tag[0]
         if j == GRAD_SINK:
-            # Issued as the gradient is computed, under the rest of the backward; the last
-            # block's, and its predecessor's (the head's few kernels cannot hide them), after the
-            # backward's last kernel.
+            # Issued as the gradient is computed, under the rest of its block's backward (the
+            # block takes at least its reductions: w[b] >= hidden[b]); the last block's, after
+            # the backward's last kernel. (Its predecessor's were charged exposed too, "the
+            # head's few kernels cannot hide them"; the schedule runs them under their own
+            # block's backward, as it issues them: benchmarks/objective_terms.py.)
             val = u.meta["val"]
             if self.options.reduce_fp32 and val.element_size() < FP32_BYTES:
                 seconds *= FP32_BYTES / val.element_size()
             block = self._block(u)
-            self._add(block, Load.HIDDEN, col, seconds)
             copies = self._copies(block)
             for c in copies:
-                if self.last is not None and c in (self.last, self.pred.get(self.last)):
-                    self._add(self.last, Load.EXPOSED, col, seconds / len(copies))
+                if c == self.last:
+                    self._add(c, Load.EXPOSED, col, seconds / len(copies))
+                else:
+                    self._add(c, Load.HIDDEN, col, seconds / len(copies))
         elif j != LOSS_SINK and self._is_param(u):
             # Prefetched: gathered while the block before runs (FSDP2's implicit prefetch); the
-            # first block's, before anything runs.
+            # first block's, before anything runs. The last layer's parameters stay gathered
+            # from the forward to the backward (the schedule's ``_kept_gathered``: torchtitan's
+            # reshard_after_forward=False for the last block): its copy's backward pays nothing
+            # (exact where the backward reads the placement the forward gathered, as FSDP does).
+            # The root's too (FSDP2's root rule): ``split`` keeps its readers in one group, which
+            # pays a move to a placement once over both phases.
             copies = self._copies(self._block(v))
             for c in copies:
+                if c[0] is Phase.BACKWARD and c[1] == self.last_layer:
+                    continue
                 before = self.pred.get(c)
                 load = Load.HIDDEN if before is not None else Load.EXPOSED
                 self._add(before if before is not None else c, load, col, seconds / len(copies))
@@ -193,7 +209,8 @@ class ScheduleObjective:
         """One producer's edges into the groups that each pay a move to a placement once: a
         parameter's forward and backward readers apart (FSDP2 gathers it again in the backward)."""
         u = keys[0][0] if keys else None
-        if u is None or not self._is_param(u):
+        if u is None or not self._is_param(u) or all(self._root(k[1]) for k in keys):
+            # the root's parameters stay gathered from the forward to the backward (below)
             return [list(keys)]
         by_phase: dict[Phase, list[EdgeKey]] = defaultdict(list)
         for k in keys:
