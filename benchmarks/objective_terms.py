@@ -1,6 +1,7 @@
 """Where the ILP's schedule objective and the step schedule part, block by block (issue 15, item 2).
 
-For each hand plan (its choices fixed; no activation checkpointing), the plan's objective
+For each hand plan (its choices fixed; no activation checkpointing) and ``auto`` (the ILP's
+solution, no memory budget), the plan's objective
 (``plan/objective.py``: per block max(compute + exposed, hidden + exposed), plus the optimizer)
 beside the step schedule's estimate of the same plan (``cost/step.price_plan``, what
 ``shardwise estimate`` prints), then per block the ILP's loads at the plan's point and what the
@@ -8,7 +9,7 @@ schedule ran in that block: its compute, its span on the compute stream, and the
 collectives of the block on each stream.
 
     .venv/bin/python benchmarks/objective_terms.py [--model llama3-8b] [--layers 2] [--mesh 8x8]
-        [--batch 16] [--seq 8192] [--plans ddp,fsdp,fsdp_tp,fsdp_tp_sp] [--blocks]
+        [--batch 16] [--seq 8192] [--plans auto,ddp,fsdp,fsdp_tp,fsdp_tp_sp] [--blocks]
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def main() -> None:
     rows, blocks = [], {}
     for name in args.plans.split(","):
         _Recorded.last = None
-        p = make_plan(traced, mesh, baseline=name, memory_budget=math.inf, step_options=opts)
+        p = make_plan(traced, mesh, baseline=None if name == "auto" else name,
+                      memory_budget=math.inf, step_options=opts)
         if p is None or _Recorded.last is None:
             rows.append({"plan": name, "ratio": "n/a"})
             continue
