@@ -18,9 +18,12 @@ every copy. Each cost term of the ILP goes to a block and a load:
 - a parameter's move (FSDP gather): HIDDEN in the block before its readers' (prefetched one
   block ahead, as FSDP2 does), once per phase (FSDP2 reshards after the forward and gathers
   again in the backward; the serial sum pays a value's move to a placement once); the first
-  block's, EXPOSED (nothing runs before it);
+  block's, EXPOSED (nothing runs before it). Not so for the blocks FSDP2 keeps gathered from
+  the forward to the backward, as the schedule does: the last layer (its backward copy pays
+  nothing) and the root (one group over both phases);
 - a gradient reduction: HIDDEN in its gradient's block, in fp32 under torchtitan's mixed
-  precision (``reduce_fp32``: the time scaled by the byte ratio);
+  precision (``reduce_fp32``: the time scaled by the byte ratio); the last block's (the head's:
+  the embedding's) EXPOSED, after the backward's last kernel;
 - any other move: EXPOSED in its consumer's block (the consumer waits for it);
 - the optimizer step: ``OPTIMIZER_BYTES_PER_ELEMENT`` per local parameter element through
   memory, linear in the parameters' placements, plus one launch: serial, after the backward.
@@ -44,7 +47,30 @@ Not modelled (the schedule's estimate of the chosen plan is reported beside the 
 the planner chooses by that estimate among the ILP's solution and the hand plans): dependency
 stalls inside a block, a queue carried from one block to the next, one stream per mesh dim (one
 for all here), ``--compile``'s fused kernels and ``--async-tp``'s fused collectives (priced eager
-and exposed), and the collectives recomputation repeats.
+and exposed), and the collectives recomputation repeats. What they amount to, block by block
+(``benchmarks/objective_terms.py --blocks``; llama3-8b, 2 layers, 8x8, b16 x 8192, fsdp_tp_sp:
+objective 155.6 ms, schedule 148.3 ms):
+
+- the schedule starts a block at its first parameter's arrival, the objective once all its
+  prefetched gathers have arrived (the head's block: 30.1 ms against 23.3 ms);
+- collectives on different mesh dims run at once on their streams, the objective adds them (the
+  tail's backward: an all_to_all over dp and an all_gather over tp of the logits' gradient,
+  10.9 and 10.6 ms side by side: 33.1 ms against about 23 ms); the same makes FSDP over both
+  dims of a 2x2 mesh 23% dearer by the objective (its gathers pipeline over the two streams);
+- a queue carried over: the backward's gather of the output weight (21.8 ms, queued behind the
+  forward's) delays the backward's first kernel by 23 ms after the forward's last; the
+  objective charges it in the forward tail's block, where it is about as long. The auto plan
+  of the same case (objective 48.2 ms, schedule 53.7 ms) loses most of its 5.5 ms to one: the
+  output weight's gradient is made by the tail's last kernel, so its reduce_scatter (5.5 ms on
+  dp) runs under the first layer's backward, where the layer's gathers and an exposed
+  all_reduce queue behind it; the objective has it hidden under the tail's own kernels.
+  (Charging each reduction to the kernels after its gradient, the rest of its block and then
+  the next, brings that plan to 0.95 of the schedule but DDP on a 1-D mesh from 1.02 to 1.07:
+  not done.)
+
+Exact where a plan has one stream's worth of communication: on one device the objective is
+the schedule's step (tests/plan/test_objective.py); on 1-D meshes the auto plan is within 1%
+of it and DDP within 3%; on 2x2 every hand plan within 30% (``ENVELOPE`` there).
 """
 
 from __future__ import annotations
@@ -108,6 +134,8 @@ class ScheduleObjective:
         gm = self.traced.gm
         self.region = regions(self.traced) or {n: HEAD for n in gm.graph.nodes}
         self.param_nodes = {self.traced.node(ph) for ph in self.traced.params.values()}
+        layers = [r for r in self.region.values() if 0 <= r < TAIL]
+        self.last_layer = max(layers) if layers else None
         train = self.traced.train and self.options.ac is not ACPolicy.NONE
         self.recompute = set(recompute_plan(gm, self.options.ac).recompute) if train else set()
         # Blocks in the order the schedule runs them (forward: head, layers, tail; backward:
@@ -137,6 +165,10 @@ class ScheduleObjective:
         """The blocks a (representative's) block stands for."""
         return self.members.get(self.canon.get(block, block), [block])
 
+    def _root(self, node: fx.Node) -> bool:
+        """``node`` lies outside the decoder layers (FSDP2's root module)."""
+        return not 0 <= self._block(node)[1] < TAIL
+
     def _is_param(self, u: fx.Node) -> bool:
         while u.op == "call_function" and is_view(u) and u.all_input_nodes:
             u = u.all_input_nodes[0]
@@ -157,23 +189,33 @@ class ScheduleObjective:
             return
         u, v, j = tag[0]
         if j == GRAD_SINK:
-            # Issued as the gradient is computed, under the rest of the backward; the last
-            # block's, and its predecessor's (the head's few kernels cannot hide them), after the
-            # backward's last kernel.
+            # Issued as the gradient is computed, under the rest of its block's backward (the
+            # block takes at least its reductions: w[b] >= hidden[b]); the last block's, after
+            # the backward's last kernel. (Its predecessor's were charged exposed too, "the
+            # head's few kernels cannot hide them"; the schedule runs them under their own
+            # block's backward, as it issues them: benchmarks/objective_terms.py.)
             val = u.meta["val"]
             if self.options.reduce_fp32 and val.element_size() < FP32_BYTES:
                 seconds *= FP32_BYTES / val.element_size()
             block = self._block(u)
-            self._add(block, Load.HIDDEN, col, seconds)
             copies = self._copies(block)
             for c in copies:
-                if self.last is not None and c in (self.last, self.pred.get(self.last)):
-                    self._add(self.last, Load.EXPOSED, col, seconds / len(copies))
+                if c == self.last:
+                    self._add(c, Load.EXPOSED, col, seconds / len(copies))
+                else:
+                    self._add(c, Load.HIDDEN, col, seconds / len(copies))
         elif j != LOSS_SINK and self._is_param(u):
             # Prefetched: gathered while the block before runs (FSDP2's implicit prefetch); the
-            # first block's, before anything runs.
+            # first block's, before anything runs. The last layer's parameters stay gathered
+            # from the forward to the backward (the schedule's ``_kept_gathered``: torchtitan's
+            # reshard_after_forward=False for the last block): its copy's backward pays nothing
+            # (exact where the backward reads the placement the forward gathered, as FSDP does).
+            # The root's too (FSDP2's root rule): ``split`` keeps its readers in one group, which
+            # pays a move to a placement once over both phases.
             copies = self._copies(self._block(v))
             for c in copies:
+                if c[0] is Phase.BACKWARD and c[1] == self.last_layer:
+                    continue
                 before = self.pred.get(c)
                 load = Load.HIDDEN if before is not None else Load.EXPOSED
                 self._add(before if before is not None else c, load, col, seconds / len(copies))
@@ -193,7 +235,8 @@ class ScheduleObjective:
         """One producer's edges into the groups that each pay a move to a placement once: a
         parameter's forward and backward readers apart (FSDP2 gathers it again in the backward)."""
         u = keys[0][0] if keys else None
-        if u is None or not self._is_param(u):
+        if u is None or not self._is_param(u) or all(self._root(k[1]) for k in keys):
+            # the root's parameters stay gathered from the forward to the backward (below)
             return [list(keys)]
         by_phase: dict[Phase, list[EdgeKey]] = defaultdict(list)
         for k in keys:

@@ -13,7 +13,7 @@ from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import make_plan
 from shardwise.plan.cluster import cluster
 from shardwise.plan.costs import PlannerCosts
-from shardwise.plan.objective import ScheduleObjective
+from shardwise.plan.objective import GRAD_SINK, Load, ScheduleObjective
 
 MESH = Mesh((2, 2), ("dp", "tp"), "h100")
 NO_TIME_S = 1e-9
@@ -72,3 +72,77 @@ def test_the_objective_of_a_plan_is_its_price_as_a_start(tiny):
     again = make_plan(tiny, mesh, step_options={}, start_from=[auto], time_limit_s=NO_TIME_S)
     assert again.info["start_s"] == pytest.approx(auto.info["objective_s"], rel=1e-9)
     assert again.params == auto.params
+
+
+# The agreement issue 15 asks of the objective of a plan with the schedule's step time.
+AGREEMENT = 0.01
+# Where the ILP's per-block max is not the schedule (plan/objective.py, "Not modelled": one
+# communication stream for all mesh dims, a block waiting for all its prefetched gathers where
+# the schedule starts it at its first parameter's): the relative difference measured on these
+# plans by benchmarks/objective_terms.py (up to 0.23 for fsdp over 2x2, whose gathers pipeline
+# over the two dims' streams), with head room.
+ENVELOPE = 0.3
+
+
+@pytest.fixture(scope="module")
+def tiny256():
+    tr = trace_model("llama-tiny", layers=2, batch=8, seq=256)
+    canonicalize(tr)
+    return tr
+
+
+@pytest.mark.parametrize("shape,names", [((2,), ("dp",)), ((4,), ("dp",))])
+def test_the_auto_plan_is_priced_as_the_schedule_prices_it(tiny256, shape, names):
+    mesh = Mesh(shape, names, "h100")
+    auto = make_plan(tiny256, mesh, step_options={})
+    step = price_plan(tiny256, auto, mesh, {}).step_s
+    assert auto.info["objective_s"] == pytest.approx(step, rel=AGREEMENT)
+
+
+def test_ddp_is_priced_as_the_schedule_prices_it(tiny256):
+    """DDP's gradient all_reduces run under the backward of their own layer (the layer before
+    the head's included): only the head's are after the last kernel. (Charged exposed too, the
+    layer before the head's made the objective 23% dearer than the step.)"""
+    mesh = Mesh((4,), ("dp",), "h100")
+    ddp = make_plan(tiny256, mesh, baseline="ddp", step_options={})
+    step = price_plan(tiny256, ddp, mesh, {}).step_s
+    assert ddp.info["objective_s"] == pytest.approx(step, rel=3 * AGREEMENT)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp"])
+def test_every_hand_plan_is_priced_within_the_documented_envelope(tiny256, name):
+    mesh = Mesh((2, 2), ("dp", "tp"), "h100")
+    plan = make_plan(tiny256, mesh, baseline=name, step_options={})
+    step = price_plan(tiny256, plan, mesh, {}).step_s
+    assert plan.info["objective_s"] == pytest.approx(step, rel=ENVELOPE)
+
+
+def test_the_last_layer_is_not_gathered_again_for_its_backward(tiny):
+    """torchtitan keeps the last block's parameters gathered from the forward to the backward
+    (the schedule prices it so): the backward gather of every other layer is prefetched in the
+    block before it, the last layer's costs nothing."""
+    def charged(layer: int) -> dict:
+        obj = _objective(tiny)
+        assert obj.last_layer == 1
+        w = tiny.node(tiny.params[f"layers.{layer}.attention.wq.weight"])
+        bwd = next(u for n in [w, *w.users] for u in n.users if tiny.phase(u) is Phase.BACKWARD)
+        assert obj._block(bwd) == (Phase.BACKWARD, layer)
+        obj.charge(0, 1.0, [(w, bwd, 0)])
+        return {(b, load): sum(t.values()) for b, loads in obj.terms.items() for load, t in loads.items()}
+
+    assert charged(0) == {((Phase.BACKWARD, 1), Load.HIDDEN): 1.0}
+    assert charged(1) == {}
+
+
+def test_a_gradient_is_reduced_under_its_own_block_but_the_last(tiny):
+    obj = _objective(tiny)
+    for pname, gname in tiny.grads.items():
+        g = tiny.node(gname)
+        obj.charge(0, 1.0, [(g, tiny.node(tiny.params[pname]), GRAD_SINK)])
+    exposed = sum(t for loads in obj.terms.values() for t in loads.get(Load.EXPOSED, {}).values())
+    hidden = sum(t for loads in obj.terms.values() for t in loads.get(Load.HIDDEN, {}).values())
+    root = [p for p in tiny.grads if not p.startswith("layers.")]
+    # the head's gradients (the embedding) are reduced after the backward's last kernel
+    head = [p for p in root if obj._block(tiny.node(tiny.grads[p])) == obj.last]
+    assert head and exposed == pytest.approx(len(head))
+    assert hidden == pytest.approx(len(tiny.grads) - len(head))
