@@ -121,8 +121,6 @@ def make_plan(
     costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
     say(f"solving the placement ILP (limit {time_limit_s:g} s)")
     points = _points(traced, ns, clus, start_from, budget)
-    start = _Start(points[0][1], _objective_s(points[0][0]), points[0][0].ac) if points else None
-    started_from = points[0][0].name if points else None
     linearised = checkpointing = None
     if step_options is not None and traced.train:
         from shardwise.cost.step import torchtitan_options
@@ -138,9 +136,21 @@ def make_plan(
                                                compile=bool(step_options.get("compile")))
         linearised = ScheduleObjective(traced, clus, costs,
                                        torchtitan_options(traced, **{**step_options, "ac": ACPolicy.NONE}))
+    starts = [_Start(choice, _objective_s(p), p.ac, p.name) for p, choice in points]
+    if checkpointing is not None and checkpointing.fixed is None:
+        # The ILP decides the checkpointing: a hand plan that does not fit as it runs may fit
+        # with more of it (the ILP's rows say which do).
+        starts += [_Start(choice, math.inf, ac, p.name)
+                   for p, choice in _points(traced, ns, clus, start_from, math.inf)
+                   for ac in _ac_variants(traced, p)]
     res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
-                start=start.choice if start is not None else None, schedule=linearised, rel_gap=rel_gap,
-                checkpointing=checkpointing, start_ac=start.ac if start is not None else None)
+                start=starts[0].choice if starts else None, schedule=linearised, rel_gap=rel_gap,
+                checkpointing=checkpointing, start_ac=starts[0].ac if starts else None,
+                more_starts=[(st.choice, st.ac) for st in starts[1:]])
+    # The start the solver was given; where none was a point of its model, the cheapest hand
+    # plan that fits (the solver's time may run out before it finds a plan of its own).
+    start = starts[res.start_index] if res.start_index is not None else (starts[0] if points else None)
+    started_from = start.name if start is not None else None
     if start is not None:
         res = _never_worse(res, start)
     timings["ilp_build_s"] = res.build_s
@@ -384,6 +394,17 @@ class _Start:
     choice: dict[fx.Node, int]
     objective_s: float
     ac: ACChoice | None = None
+    name: str | None = None  # the hand plan's
+
+
+def _ac_variants(traced: Traced, plan: Plan) -> list[ACChoice]:
+    """The activation checkpointing of every rung of ``AC_LADDER`` (every layer the same) but
+    the one ``plan`` runs: points of the auto ILP with ``plan``'s placements."""
+    from shardwise.cost.step import regions_layers
+
+    layers = sorted(regions_layers(traced))
+    own = set(plan.ac.layer_policies().layers) if plan.ac is not None else {ACPolicy.NONE}
+    return [ACChoice.uniform(layers, p) for p in AC_LADDER if own != {p}]
 
 
 def _points(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,
