@@ -145,6 +145,9 @@ class IlpResult:
     # Which start point the solver was given: 0 for ``start``, i for ``more_starts[i - 1]``;
     # None where none was a point of the model.
     start_index: int | None = None
+    # A lower bound on the optimum (seconds) that holds whatever the memory budget (0 where the
+    # solver gave none): no larger budget can give a plan cheaper than it.
+    bound_any_budget_s: float = 0.0
 
 
 @dataclass
@@ -305,6 +308,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         mem_terms, min_mem = _memory_terms(traced, ns, xs, clus, costs, memory)
         for v, b in ck_mem.items():
             mem_terms[v] = mem_terms.get(v, 0.0) + b
+        m.memory_row = len(m.row_lb)
         m.row(-math.inf, float(memory_budget) / MEMORY_UNIT_BYTES,
               {v: b / MEMORY_UNIT_BYTES for v, b in mem_terms.items()})
     if schedule is not None:
@@ -338,18 +342,21 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
              "optional": int(sum(m.optional)), "integral_lp": int(got.integral_lp)}
     if got.solution is None:
         return IlpResult(got.status, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem,
-                         bound_s=_bound_s(got.bound), start_s=start_s, stats=stats, start_index=start_index)
+                         bound_s=_bound_s(got.bound), start_s=start_s, stats=stats, start_index=start_index,
+                         bound_any_budget_s=_bound_s(got.bound_any_budget))
     sol = got.solution
     mem_at = sum(b * float(sol[v]) for v, b in mem_terms.items()) if memory_budget is not None else None
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
     objective = got.objective * OBJECTIVE_UNIT_S
     bound = min(_bound_s(got.bound), objective)
+    any_budget = min(_bound_s(got.bound_any_budget), bound)
     # The relative gap from the normalised bound (HiGHS says inf while it has no bound).
     gap = 0.0 if got.status == "optimal" or objective <= 0.0 else (objective - bound) / objective
     return IlpResult(got.status, objective, gap, choice, nv, nr, build_s, solve_s, min_mem, bound_s=bound,
                      start_s=start_s, stats=stats,
                      ac=checkpointing.choice(sol) if checkpointing is not None else None,
-                     memory_bytes=mem_at, start_index=start_index)
+                     memory_bytes=mem_at, start_index=start_index,
+                     bound_any_budget_s=bound if memory_budget is None else any_budget)
 
 
 def _bound_s(dual_bound: float) -> float:

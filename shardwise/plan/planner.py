@@ -186,6 +186,7 @@ def make_plan(
     timings["total_s"] = time.perf_counter() - t0
     plan.info = {
         "objective_s": objective, "objective": objective_kind, "bound_s": res.bound_s,
+        "bound_any_budget_s": res.bound_any_budget_s,
         "started_from": started_from,
         "start_s": res.start_s, "timings": timings, "memory_budget_bytes": budget,
         # The hand plans that are points of this ILP (they fit and keep the constraints), and
@@ -223,21 +224,22 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
     options["step_options"] = step_options
     decide = traced.train and step_options.get("ac") is None
     limit = _schedule_limit(mesh, options.get("memory_budget"))
+    price = _Pricer(traced, mesh, step_options, limit)
     for name in baselines:
         say(f"pricing the {name} baseline")
-        plans[name] = (_baseline_with_ac(traced, mesh, name, limit, options) if decide
+        plans[name] = (_baseline_with_ac(traced, mesh, name, limit, options, price) if decide
                        else make_plan(traced, mesh, baseline=name, **options))
     starts = [b for b in plans.values() if b is not None and b.status not in NO_PLAN]
     auto = make_plan(traced, mesh, constraints=constraints, on_phase=on_phase, start_from=starts, **options)
     if decide and auto.status not in NO_PLAN:
         say("fitting the activation checkpointing to the step's memory")
-        auto = _fit_by_schedule(traced, mesh, auto, limit, constraints, starts, options)
+        auto = _fit_by_schedule(traced, mesh, auto, limit, constraints, starts, options, price)
     if traced.train and auto.status not in NO_PLAN:
         say("laying each plan's step out on streams")
         # Deciding the checkpointing, whether a hand plan fits is the schedule's to say (the
         # ILP's memory row is a model of it): every hand plan that keeps the constraints runs.
         auto = _fastest_by_schedule(traced, mesh, auto, plans, step_options, limit,
-                                    "eligible" if decide else "admissible")
+                                    "eligible" if decide else "admissible", price)
     return auto, plans
 
 
@@ -252,6 +254,9 @@ FIT_ROUNDS = 4
 # change of budget worth a solve, as fractions of the limit (the schedule's peak is not exactly
 # linear in the saved bytes: the allocator rounds and caches).
 FIT_SLACK = 0.01
+# A solve with another budget is worth it only where the ILP's bounds leave room for a plan
+# cheaper by more than this fraction (of the ILP's objective) than the best that fits so far.
+FIT_GAIN = 0.01
 
 
 def _schedule_limit(mesh: Mesh, memory_budget: float | None) -> float:
@@ -259,7 +264,31 @@ def _schedule_limit(mesh: Mesh, memory_budget: float | None) -> float:
     return get_hardware(mesh.hardware).mem_capacity if memory_budget is None else float(memory_budget)
 
 
-def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, options: dict) -> Plan | None:
+@dataclass
+class _Pricer:
+    """Prices plans by the step schedule (``cost/step.price_plan``, which records the figures
+    in ``plan.info["schedule"]``), each plan once: on 70B one pricing takes ~5 s, and the same
+    plans are priced while the baselines are chosen, the budget fitted and the fastest picked."""
+
+    traced: Traced
+    mesh: Mesh
+    step_options: dict
+    limit: float | None
+    done: dict[int, tuple] = field(default_factory=dict)  # id(plan) -> (plan, its AC, estimate)
+
+    def __call__(self, plan: Plan):
+        from shardwise.cost.step import price_plan
+
+        hit = self.done.get(id(plan))
+        if hit is not None and hit[0] is plan and hit[1] == plan.ac:
+            return hit[2]
+        est = price_plan(self.traced, plan, self.mesh, self.step_options, self.limit)
+        self.done[id(plan)] = (plan, plan.ac, est)
+        return est
+
+
+def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, options: dict,
+                      price: _Pricer) -> Plan | None:
     """The hand plan ``name`` run with the first policy of ``AC_LADDER`` whose step fits
     ``limit`` by the schedule (every layer the same, as torchtitan configures it); the last
     that solved where none fits. None where it does not apply.
@@ -267,7 +296,7 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
     Its free choices are made twice, by this planner's objective within its budget and as
     ``shardwise estimate --plan NAME`` makes them (the serial objective, no budget: the faithful
     plan ``benchmarks/fidelity.py`` prices); the faster by the schedule that fits is the plan."""
-    from shardwise.cost.step import price_plan, regions_layers
+    from shardwise.cost.step import regions_layers
 
     last = None
     layers = sorted(regions_layers(traced))
@@ -281,13 +310,13 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
             continue
         plan.ac = plan.ac or ACChoice.uniform(layers, policy)
         last = plan
-        if price_plan(traced, plan, mesh, options["step_options"], limit).fits:
+        if price(plan).fits:
             faithful = make_plan(traced, mesh, baseline=name,
                                  **{**options, "memory_budget": math.inf, "step_options": None})
             if faithful is None or faithful.status in NO_PLAN:
                 break
             faithful.ac = ACChoice.uniform(layers, policy)
-            est = price_plan(traced, faithful, mesh, options["step_options"], limit)
+            est = price(faithful)
             if est.fits and est.step_s < plan.info["schedule"]["step_s"]:
                 faithful.info["free_choices"] = "serial objective, no budget (shardwise estimate --plan NAME)"
                 faithful.info["memory_budget_bytes"] = None  # none: not inf, which JSON lacks
@@ -297,18 +326,18 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
 
 
 def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, constraints,
-                     starts: list[Plan], options: dict) -> Plan:
+                     starts: list[Plan], options: dict, price: _Pricer) -> Plan:
     """Solve again with the ILP's budget set from the step schedule (``FIT_ROUNDS`` at most):
     first the limit less what the schedule held beyond the ILP's memory row in the last plan;
     once one budget gave a plan that fits and another one that does not, halfway between them.
-    Returns the fastest plan that fits by the schedule, else the last one solved."""
-    from shardwise.cost.step import price_plan
-
+    Returns the fastest plan that fits by the schedule, else the last one solved. A solve is
+    skipped where the bounds of the last ones show no plan cheaper by FIT_GAIN can come of it."""
     budget = auto.info["memory_budget_bytes"]
     best: tuple[float, Plan] | None = None
     fits_at, over_at = -math.inf, math.inf  # the largest budget that fit, the smallest that did not
+    bound_over = math.inf  # the ILP's bound at over_at: no smaller budget gives a cheaper plan
     for k in range(FIT_ROUNDS + 1):
-        est = price_plan(traced, auto, mesh, options["step_options"], limit)
+        est = price(auto)
         log.info("ILP budget %s: AC %s, memory row %s, step %.4f s, peak %s (%s)", format_bytes(budget),
                  est.ac, format_bytes(auto.estimate.memory_bytes), est.step_s,
                  format_bytes(est.memory_per_device_bytes), "fits" if est.fits else "does not fit")
@@ -316,16 +345,20 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
             fits_at = max(fits_at, budget)
             if best is None or est.step_s < best[0]:
                 best = (est.step_s, auto)
-        else:
-            over_at = min(over_at, budget)
+        elif budget < over_at:
+            over_at, bound_over = budget, auto.info["bound_s"]
         if k == FIT_ROUNDS:
             break
         if math.isfinite(fits_at) and math.isfinite(over_at):
             new = (fits_at + over_at) / 2.0
+            if _objective_s(best[1]) <= (1.0 + FIT_GAIN) * bound_over:
+                break  # no budget between gives a plan cheaper by more than FIT_GAIN
         else:
             new = limit * (1.0 - FIT_SLACK) - (est.memory_per_device_bytes - auto.estimate.memory_bytes)
             if est.fits and new < budget:
                 break  # a lower budget cannot give a faster plan
+            if est.fits and _objective_s(auto) <= (1.0 + FIT_GAIN) * auto.info.get("bound_any_budget_s", 0.0):
+                break  # no budget at all gives a plan cheaper by more than FIT_GAIN
         if new <= 0.0 or abs(new - budget) <= FIT_SLACK * limit or over_at - fits_at <= FIT_SLACK * limit:
             break  # no budget left, or no change worth a solve
         budget = new
@@ -338,20 +371,20 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
 
 
 def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str, Plan | None],
-                         step_options: dict, limit: float | None = None, among: str = "admissible") -> Plan:
+                         step_options: dict, limit: float | None = None, among: str = "admissible",
+                         price: _Pricer | None = None) -> Plan:
     """Price ``auto`` and every hand plan by the step schedule (``plan.info["schedule"]``);
     the auto plan is the fastest of the ILP's solution and the admissible hand plans. A hand
     plan that wins is returned as the auto plan, with ``chosen_from`` naming it and
     ``ilp_solution`` the schedule of the solution it beat."""
-    from shardwise.cost.step import price_plan
-
+    price = price or _Pricer(traced, mesh, step_options, limit)
     # A hand plan must be faster by more than this relative margin to replace the ILP's plan
     # (float rounding of the schedule's sums).
     tie = 1e-9
-    price_plan(traced, auto, mesh, step_options, limit)
+    price(auto)
     for b in hand.values():
         if b is not None and b.status not in NO_PLAN:
-            price_plan(traced, b, mesh, step_options, limit)
+            price(b)
     best = auto
     for name in auto.info.get(among, []):
         b = hand[name]

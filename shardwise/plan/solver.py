@@ -85,6 +85,8 @@ class Model:
     # (``checkpointing.py``'s spread columns, from the counts and the x), before ``t_rows``
     # read them; None where there are none.
     fill: Callable[[np.ndarray], None] | None = None
+    # The memory row (index), if any: ``solve_by_lp_bound`` also gives a bound without it.
+    memory_row: int | None = None
     # ``complete``'s index arrays, built on its first call (the model is final by then).
     _completion: _Completion | None = field(default=None, repr=False)
 
@@ -126,6 +128,8 @@ class Solved:
     priced_in: int = 0  # optional columns the pricing added
     columns: int = 0  # columns the last solve could use (the rest fixed at 0)
     integral_lp: bool = False  # pricing ended on an integral LP optimum (no MIP needed)
+    # A lower bound on the optimum whatever the memory row's budget (-inf where none is known).
+    bound_any_budget: float = -math.inf
 
 
 def solve_model(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None,
@@ -392,6 +396,7 @@ class _LpBound:
     bound: float  # a lower bound on the MIP (solver units)
     primal: np.ndarray  # the LP's (interior) point
     reduced: np.ndarray  # the reduced costs the bound was taken with
+    any_budget: float  # the same bound with the memory row's dual at 0: it holds for any budget
 
 
 def _lp_bound(m: Model, unit: float, time_limit_s: float) -> _LpBound | None:
@@ -425,7 +430,17 @@ def _lp_bound(m: Model, unit: float, time_limit_s: float) -> _LpBound | None:
     cols_part = np.where(reduced >= 0.0, reduced * lb, reduced * ub)
     if not np.all(np.isfinite(cols_part)):
         return None
-    return _LpBound(float(rows_part.sum() + cols_part.sum()), np.asarray(h.getSolution().col_value), reduced)
+    bound = float(rows_part.sum() + cols_part.sum())
+    any_budget = bound
+    if m.memory_row is not None and y[m.memory_row] != 0.0:
+        # L(y) with the memory row's multiplier at 0 is as valid a bound, and its budget appears
+        # nowhere in it: a larger budget cannot make any plan cheaper than this.
+        at = m.memory_row
+        free = reduced.copy()
+        np.add.at(free, index[row_of == at], value[row_of == at] * y[at])
+        free_cols = np.where(free >= 0.0, free * lb, free * ub)
+        any_budget = float(rows_part.sum() - rows_part[at] + free_cols.sum())
+    return _LpBound(bound, np.asarray(h.getSolution().col_value), reduced, any_budget)
 
 
 def _mip(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None, upper: np.ndarray,
@@ -495,7 +510,8 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
         log.debug("neighbourhood MIP: %s %.6g", rins.status, rins.objective)
     upper = float(cost @ incumbent) if incumbent is not None else math.inf
     if _within(incumbent, cost, lp.bound, rel_gap):  # close enough: no (more) MIP
-        return Solved("feasible", upper, lp.bound, incumbent, columns=int((rins_ub > 0.0).sum()))
+        return Solved("feasible", upper, lp.bound, incumbent, columns=int((rins_ub > 0.0).sum()),
+                      bound_any_budget=lp.any_budget)
     fixable = integer.copy()
     fixable[list(m.ends)] = True
     fixed = fixable & (lp.reduced > upper - lp.bound + DUAL_FEASIBILITY_TOL) & (np.asarray(m.lb) == 0.0)
@@ -507,4 +523,5 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     done.columns = int((~fixed).sum())
     if done.solution is None and incumbent is not None:  # out of time: the incumbent stands
         done = Solved("feasible", upper, lp.bound, incumbent, columns=done.columns)
+    done.bound_any_budget = lp.any_budget
     return done
