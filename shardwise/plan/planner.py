@@ -46,6 +46,8 @@ from shardwise.plan.strategies import NodeStrategies, Strategy, enumerate_strate
 log = logging.getLogger(__name__)
 # Memory kept free for the framework, allocator fragmentation and communication buffers.
 MEMORY_RESERVE_FRACTION = 0.1
+# The solver's time limit where the caller gives none, seconds.
+DEFAULT_TIME_LIMIT_S = 60.0
 # Plan statuses that come without placements: no plan fits the memory budget, or the solver's
 # time ran out before it found one.
 NO_PLAN = ("infeasible", "unsolved")
@@ -74,12 +76,13 @@ def make_plan(
     memory_budget: float | None = None,
     constraints: Constraints | None = None,
     clustering: bool = True,
-    time_limit_s: float = 60.0,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     memory: MemoryModel | None = None,
     on_phase: Callable[[str], None] | None = None,
     start_from: Sequence[Plan] = (),
     step_options: dict | None = None,
     rel_gap: float = MIP_REL_GAP,
+    strategy_cache: dict | None = None,
 ) -> Plan | None:
     """Plan ``traced`` over ``mesh``. Returns None when ``baseline`` does not apply to this mesh.
     ``on_phase`` is told what the planner is doing (for progress displays). ``start_from``: plans
@@ -89,7 +92,9 @@ def make_plan(
     ``step_options`` (a training step's ``ac``, ``compile``, ``async_tp``; ``{}`` for the
     defaults): the objective is the step schedule, linearised (``plan/objective.py``), instead
     of the serial sum of every kernel and collective (None). ``rel_gap``: the solver may stop at
-    a plan within this relative gap of its bound (the default: the optimum)."""
+    a plan within this relative gap of its bound (the default: the optimum). ``strategy_cache``:
+    a dict shared by calls on the same ``traced`` and ``mesh`` (``plan_with_baselines``) that
+    keeps each baseline's clustering and strategies for the next call."""
     say = on_phase or (lambda _phase: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -99,24 +104,22 @@ def make_plan(
         if spec is None:
             return None
     budget = default_budget(mesh) if memory_budget is None else memory_budget
-    fixed = _fixed_placeholders(traced, spec, constraints)
-    clus = cluster(traced, fixed) if clustering else no_clustering(traced.gm)
-    timings["cluster_s"] = time.perf_counter() - t0
-
-    t = time.perf_counter()
-    say("enumerating strategies")
-    allowed = _placeholder_filter(fixed, mesh)
-    ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
-    if spec is not None and not _fix_baseline_choices(spec, traced, ns, mesh, clus):
-        return None
-    if not traced.train:
-        _no_partial_outputs(traced, ns, clus)
-    if constraints is not None and constraints.outputs:
-        _constrain_outputs(traced, ns, clus, constraints.outputs, mesh)
-    for n, st in ns.items():
-        if n.op == "placeholder" and not st.strategies:
-            raise UserError(f"no placement of {n.name} fits the constraints on mesh {mesh}.")
-    timings["strategies_s"] = time.perf_counter() - t
+    key = (baseline, id(constraints), clustering)
+    if strategy_cache is not None and key in strategy_cache:
+        if strategy_cache[key] is None:
+            return None
+        # Shallow copies: the strategy lists are replaced, never changed in place.
+        clus, kept = strategy_cache[key]
+        ns = {n: replace(st) for n, st in kept.items()}
+        timings["cluster_s"] = timings["strategies_s"] = 0.0
+    else:
+        built = _strategies(traced, mesh, spec, constraints, clustering, say, timings, t0)
+        if strategy_cache is not None:
+            strategy_cache[key] = built
+        if built is None:
+            return None
+        clus, kept = built
+        ns = {n: replace(st) for n, st in kept.items()} if strategy_cache is not None else kept
 
     costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
     say(f"solving the placement ILP (limit {time_limit_s:g} s)")
@@ -203,6 +206,31 @@ def make_plan(
     return plan
 
 
+def _strategies(traced: Traced, mesh: Mesh, spec: BaselineSpec | None, constraints: Constraints | None,
+                clustering: bool, say: Callable[[str], None], timings: dict[str, float], t0: float,
+                ) -> tuple[Clustering, dict[fx.Node, NodeStrategies]] | None:
+    """The clustering and each representative's strategies under the baseline's fixed choices
+    and the constraints; None when the baseline does not apply."""
+    fixed = _fixed_placeholders(traced, spec, constraints)
+    clus = cluster(traced, fixed) if clustering else no_clustering(traced.gm)
+    timings["cluster_s"] = time.perf_counter() - t0
+    t = time.perf_counter()
+    say("enumerating strategies")
+    allowed = _placeholder_filter(fixed, mesh)
+    ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
+    if spec is not None and not _fix_baseline_choices(spec, traced, ns, mesh, clus):
+        return None
+    if not traced.train:
+        _no_partial_outputs(traced, ns, clus)
+    if constraints is not None and constraints.outputs:
+        _constrain_outputs(traced, ns, clus, constraints.outputs, mesh)
+    for n, st in ns.items():
+        if n.op == "placeholder" and not st.strategies:
+            raise UserError(f"no placement of {n.name} fits the constraints on mesh {mesh}.")
+    timings["strategies_s"] = time.perf_counter() - t
+    return clus, ns
+
+
 def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] = BASELINES,
                         on_phase: Callable[[str], None] | None = None, step_options: dict | None = None,
                         **options) -> tuple[Plan, dict[str, Plan | None]]:
@@ -222,6 +250,7 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
     plans: dict[str, Plan | None] = {}
     step_options = step_options or {}
     options["step_options"] = step_options
+    options.setdefault("strategy_cache", {})  # the same graph and mesh in every call below
     decide = traced.train and step_options.get("ac") is None
     limit = _schedule_limit(mesh, options.get("memory_budget"))
     price = _Pricer(traced, mesh, step_options, limit)
@@ -316,6 +345,8 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
             if faithful is None or faithful.status in NO_PLAN:
                 break
             faithful.ac = ACChoice.uniform(layers, policy)
+            if faithful.nodes == plan.nodes:
+                break  # the same placements and checkpointing: the same step
             est = price(faithful)
             if est.fits and est.step_s < plan.info["schedule"]["step_s"]:
                 faithful.info["free_choices"] = "serial objective, no budget (shardwise estimate --plan NAME)"
@@ -331,7 +362,11 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
     first the limit less what the schedule held beyond the ILP's memory row in the last plan;
     once one budget gave a plan that fits and another one that does not, halfway between them.
     Returns the fastest plan that fits by the schedule, else the last one solved. A solve is
-    skipped where the bounds of the last ones show no plan cheaper by FIT_GAIN can come of it."""
+    skipped where the bounds of the last ones show no plan cheaper by FIT_GAIN can come of it;
+    the solves after the first share one time limit (``time_limit_s``), and each starts from
+    the hand plans and the plans solved before that fit its budget."""
+    deadline = time.perf_counter() + options.get("time_limit_s", DEFAULT_TIME_LIMIT_S)
+    starts = list(starts)
     budget = auto.info["memory_budget_bytes"]
     best: tuple[float, Plan] | None = None
     fits_at, over_at = -math.inf, math.inf  # the largest budget that fit, the smallest that did not
@@ -343,6 +378,7 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
                  format_bytes(est.memory_per_device_bytes), "fits" if est.fits else "does not fit")
         if est.fits:
             fits_at = max(fits_at, budget)
+            starts.append(auto)  # a point of every ILP with a larger budget
             if best is None or est.step_s < best[0]:
                 best = (est.step_s, auto)
         elif budget < over_at:
@@ -361,9 +397,12 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
                 break  # no budget at all gives a plan cheaper by more than FIT_GAIN
         if new <= 0.0 or abs(new - budget) <= FIT_SLACK * limit or over_at - fits_at <= FIT_SLACK * limit:
             break  # no budget left, or no change worth a solve
+        left = deadline - time.perf_counter()
+        if left <= 0.0:
+            break  # the re-solves' time is spent
         budget = new
         again = make_plan(traced, mesh, constraints=constraints, start_from=starts,
-                          **{**options, "memory_budget": budget})
+                          **{**options, "memory_budget": budget, "time_limit_s": left})
         if again.status in NO_PLAN:
             break
         auto = again
@@ -387,7 +426,9 @@ def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str,
             price(b)
     best = auto
     for name in auto.info.get(among, []):
-        b = hand[name]
+        b = hand.get(name)
+        if b is None:
+            continue  # a plan the budget fit solved before, a start but no hand plan
         s, t = b.info["schedule"], best.info["schedule"]
         # A plan that fits beats one that does not; then the faster.
         faster = s["step_s"] < t["step_s"] * (1.0 - tie)
