@@ -330,6 +330,21 @@ def _completion(m: Model) -> _Completion:
     return _Completion(edge_cols, *flat(0), *flat(1), levels)
 
 
+def round_lp(m: Model, primal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The LP point ``primal`` rounded (every group of ``_integer_groups`` by ``round_group``)
+    and completed into a point of ``m`` (it may still break the memory row), and the column
+    upper bounds of the neighbourhood MIP: the one-hot groups the LP decides (>= RINS_FIX)
+    fixed at their choice."""
+    ub = np.array(m.ub, dtype=np.float64)
+    rounded = np.where(np.array(m.integer, dtype=bool), 0.0, np.asarray(m.lb, dtype=np.float64))
+    rins_ub = ub.copy()
+    for cols, total in _integer_groups(m):
+        rounded[cols] = round_group(primal[cols], total, ub[cols])
+        if total == 1 and primal[cols].max() >= RINS_FIX:  # a one-hot group the LP decides
+            rins_ub[cols] = rounded[cols]
+    return complete(m, rounded), rins_ub
+
+
 def complete(m: Model, val: np.ndarray) -> np.ndarray:
     """``val`` with its integer columns (and the constant) set, completed into a point of the
     model: the columns ``Model.fill`` sets, each edge variable 1 where both its ends are chosen,
@@ -488,13 +503,7 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
         return _mip(m, unit, max(0.0, deadline - time.perf_counter()), start, ub, rel_gap)
     cost = np.array(m.cost) / unit
     integer = np.array(m.integer, dtype=bool)
-    rounded = np.where(integer, 0.0, np.asarray(m.lb, dtype=np.float64))
-    rins_ub = ub.copy()
-    for cols, total in _integer_groups(m):
-        rounded[cols] = round_group(lp.primal[cols], total, ub[cols])
-        if total == 1 and lp.primal[cols].max() >= RINS_FIX:  # a one-hot group the LP decides
-            rins_ub[cols] = rounded[cols]
-    rounded = complete(m, rounded)
+    rounded, rins_ub = round_lp(m, lp.primal)
     incumbent, broken = start, violated_rows(m, rounded)
     if not broken and (incumbent is None or float(cost @ rounded) < float(cost @ incumbent)):
         incumbent = rounded
