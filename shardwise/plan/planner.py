@@ -363,8 +363,9 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
     once one budget gave a plan that fits and another one that does not, halfway between them.
     Returns the fastest plan that fits by the schedule, else the last one solved. A solve is
     skipped where the bounds of the last ones show no plan cheaper by FIT_GAIN can come of it;
-    the solves after the first share one time limit (``time_limit_s``), and each starts from
-    the hand plans and the plans solved before that fit its budget."""
+    once a plan fits, the solves for a faster one share one time limit (``time_limit_s``, from
+    the first re-solve; until then each has its own), and each starts from the hand plans and
+    the plans solved before that fit its budget."""
     deadline = time.perf_counter() + options.get("time_limit_s", DEFAULT_TIME_LIMIT_S)
     starts = list(starts)
     budget = auto.info["memory_budget_bytes"]
@@ -398,11 +399,14 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
         if new <= 0.0 or abs(new - budget) <= FIT_SLACK * limit or over_at - fits_at <= FIT_SLACK * limit:
             break  # no budget left, or no change worth a solve
         left = deadline - time.perf_counter()
-        if left <= 0.0:
-            break  # the re-solves' time is spent
+        if best is not None and left <= 0.0:
+            break  # a plan fits, and the time for faster ones is spent
         budget = new
+        # Until a plan fits, each solve gets the whole time limit: a plan that fits is needed.
         again = make_plan(traced, mesh, constraints=constraints, start_from=starts,
-                          **{**options, "memory_budget": budget, "time_limit_s": left})
+                          **{**options, "memory_budget": budget,
+                             "time_limit_s": left if best is not None else options.get("time_limit_s",
+                                                                                      DEFAULT_TIME_LIMIT_S)})
         if again.status in NO_PLAN:
             break
         auto = again
