@@ -49,6 +49,48 @@ Not kept: the restricted LP (ilpsize's core pairs) by interior point is 30% quic
 duals price the left-out dear moves so low that the bound they give is useless (-8e6 us), and
 the interior point cannot be warm-started for a pricing round; a warm start of the dual simplex
 from the lazy solution took over 10 minutes.
+
+Branch planspeed (after activation checkpointing became an ILP decision; ``--modes warm --gap
+0.01``, a 2-core machine shared with other work, load ~2; ``baselines_s`` is everything outside
+the returned plan's own solve: the hand plans and the budget fit's re-solves):
+
+| case                    | total s       | cpu s         | baselines s   | solve s | gap   | start        |
+| ----------------------- | ------------- | ------------- | ------------- | ------- | ----- | ------------ |
+| 8B 2 L                  | 48.3 -> 21.1  | 49.1 -> 21.0  | 26.2 -> 2.4   | 17.1    | 0.65% | fsdp_tp      |
+| 8B 32 L                 | 27.1 -> 21.8  | 27.6 -> 21.7  | 10.4 -> 7.2   | 12.2    | 0.42% | fsdp_tp      |
+| 8B 32 L, to the optimum | - -> 27.0     | - -> 27.0     | 6.8           | 18.0    | 0     | fsdp_tp      |
+| 70B 80 L                | 355.1 -> 145.3 | 356.7 -> 144.4 | 290.5 -> 81.8 | 60.6  | 5.2%  | - -> fsdp_tp |
+
+(main -> planspeed; peak RSS 0.48, 0.53, 0.93 (to the optimum) and 1.06 GiB.)
+
+Profile of one warm 2-layer run on main (cProfile, 62 s under the profiler): the auto ILP solved
+twice (28.7 s, then 24.5 s again by ``_fit_by_schedule`` with a larger budget: its plan fitted
+and the memory row was slack), each ~18 s of interior-point LP and ~4 s of MIP; the hand plans
+7 s (fsdp_tp, fsdp_tp_sp: each one ILP of ~14k columns per AC rung, 0.1-0.4 s to solve, plus
+strategies 0.6 s, the node-by-node estimate 0.7 s and the step schedule 0.15 s per plan); ddp
+and fsdp do not apply. On 70B: the hand plans 40 s (the step schedule of 80 layers takes ~5 s
+a plan), the auto ILP five times (60 s each, at the time limit: the gap stays ~5%), 12
+pricings by the schedule (60 s). What changed:
+
+- ``_fit_by_schedule`` re-solves only where the ILP's bounds leave room for a plan cheaper by
+  FIT_GAIN (1%): a larger budget not where the plan is within 1% of a bound that holds for any
+  budget (``solver._lp_bound``: the Lagrangian bound with the memory row's multiplier at 0), a
+  budget between one that fit and one that did not not where the plan that fits is within 1% of
+  the bound at the latter; once a plan fits, the re-solves for a faster one share one time limit
+  (until then each has its own), each started from the plans that fit before.
+- Each plan is laid out on the schedule once (``planner._Pricer``); a hand plan's strategies
+  are enumerated once for its AC rungs and its faithful variant, and the faithful variant is not
+  priced when it has the rung plan's placements. The hand plans are the same as on main.
+- 70B's start: a hand plan is offered to the ILP with every AC rung (the ILP's rows say which
+  fit), so fsdp_tp with checkpointing starts it again; ``solver.round_lp`` rounds the AC counts
+  by largest remainder and fills their spread columns, so the rounded LP point breaks no row
+  (it broke the counts' row before); ``solver.complete`` is vectorised (0.2 s -> 1 ms).
+
+Still missed: 2 layers <= 5 s and 32 layers within 1% <= 15 s (the interior-point LP alone
+is 11-15 s of one core: the model itself has to shrink); 70B <= 30 s within 1% (the LP bound
+1.730 s against 1.812 s found by rounding, the neighbourhood and the MIP: the gap is the
+relaxation's, most likely the AC spread columns' w <= L y, which fractional y loosen, and the
+memory row; the MIP does not close it in 60 s).
 """
 
 from __future__ import annotations

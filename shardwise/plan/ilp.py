@@ -58,6 +58,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -141,6 +142,12 @@ class IlpResult:
     stats: dict[str, int] = field(default_factory=dict)
     ac: ACChoice | None = None  # the activation checkpointing chosen (with a checkpointing model)
     memory_bytes: float | None = None  # the memory row at the solution (with a budget)
+    # Which start point the solver was given: 0 for ``start``, i for ``more_starts[i - 1]``;
+    # None where none was a point of the model.
+    start_index: int | None = None
+    # A lower bound on the optimum (seconds) that holds whatever the memory budget (0 where the
+    # solver gave none): no larger budget can give a plan cheaper than it.
+    bound_any_budget_s: float = 0.0
 
 
 @dataclass
@@ -199,14 +206,18 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
           *, memory_budget: float | None = None, memory: MemoryModel | None = None,
           time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None,
           schedule: ScheduleObjective | None = None, checkpointing: CheckpointingModel | None = None,
-          start_ac: ACChoice | None = None, pricing: bool = True, rel_gap: float = MIP_REL_GAP) -> IlpResult:
+          start_ac: ACChoice | None = None,
+          more_starts: Sequence[tuple[dict[fx.Node, int], ACChoice | None]] = (),
+          pricing: bool = True, rel_gap: float = MIP_REL_GAP) -> IlpResult:
     """Solve the placement ILP. ``start`` (deciding representative -> strategy index, e.g. a
     hand plan's choices) is handed to HiGHS as its first incumbent: the solver completes the
     continuous edge variables and, if the point is feasible, never returns anything worse, so
     a time limit costs only optimality. ``schedule``: the schedule objective
     (``plan/objective.py``) in place of the serial sum. ``checkpointing``: activation
     checkpointing decided per cluster of layers (``plan/checkpointing.py``); ``start_ac`` the
-    start point's. ``pricing=False``: HiGHS gets the whole model at once (``solver.py``).
+    start point's. ``more_starts``: other (choice, activation checkpointing) points; the cheapest
+    of them and ``start`` that breaks no row is the solver's start (``IlpResult.start_index``).
+    ``pricing=False``: HiGHS gets the whole model at once (``solver.py``).
     ``rel_gap``: the solver may stop at a plan within this relative gap of its bound (the
     default: the optimum)."""
     t0 = time.perf_counter()
@@ -289,11 +300,15 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         memory = replace(memory, exclude=checkpointing.excluded())
         ck_mem = checkpointing.build(m, ns, xs, lambda n: _supply(ns, xs, clus, n),
                                      schedule.charge_recompute if schedule is not None else m.add_cost)
+        # A rounded point's spread columns follow from its counts and its x: the counts as
+        # whole numbers, then filled as a start point's are.
+        m.fill = lambda val: checkpointing.complete(val, checkpointing.choice(val))
     min_mem = None
     if memory_budget is not None:
         mem_terms, min_mem = _memory_terms(traced, ns, xs, clus, costs, memory)
         for v, b in ck_mem.items():
             mem_terms[v] = mem_terms.get(v, 0.0) + b
+        m.memory_row = len(m.row_lb)
         m.row(-math.inf, float(memory_budget) / MEMORY_UNIT_BYTES,
               {v: b / MEMORY_UNIT_BYTES for v, b in mem_terms.items()})
     if schedule is not None:
@@ -302,15 +317,21 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
 
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    start_val, start_s = None, None
-    if start is not None:
-        start_val = _start_vector(m, deciding, start, one, checkpointing, start_ac)
-        bad = violated_rows(m, start_val)
+    start_val, start_s, start_index = None, None, None
+    candidates = [(start, start_ac)] if start is not None else []
+    candidates += list(more_starts)
+    broken = []
+    for i, (choice, ac) in enumerate(candidates):
+        val = _start_vector(m, deciding, choice, one, checkpointing, ac)
+        bad = violated_rows(m, val)
         if bad:
-            log.warning("the start point breaks %d rows of the placement ILP; solving without it", bad)
-            start_val = None
-        else:
-            start_s = float(np.dot(m.cost, start_val)) if schedule is None else schedule.value(start_val)
+            broken.append(bad)
+            continue
+        price = float(np.dot(m.cost, val)) if schedule is None else schedule.value(val)
+        if start_s is None or price < start_s:
+            start_val, start_s, start_index = val, price, i
+    if start_val is None and broken:
+        log.warning("the start point breaks %d rows of the placement ILP; solving without it", broken[0])
     if schedule is None:
         got = solve_model(m, OBJECTIVE_UNIT_S, time_limit_s, start_val, pricing=pricing, rel_gap=rel_gap)
     else:
@@ -321,18 +342,21 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
              "optional": int(sum(m.optional)), "integral_lp": int(got.integral_lp)}
     if got.solution is None:
         return IlpResult(got.status, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem,
-                         bound_s=_bound_s(got.bound), start_s=start_s, stats=stats)
+                         bound_s=_bound_s(got.bound), start_s=start_s, stats=stats, start_index=start_index,
+                         bound_any_budget_s=_bound_s(got.bound_any_budget))
     sol = got.solution
     mem_at = sum(b * float(sol[v]) for v, b in mem_terms.items()) if memory_budget is not None else None
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
     objective = got.objective * OBJECTIVE_UNIT_S
     bound = min(_bound_s(got.bound), objective)
+    any_budget = min(_bound_s(got.bound_any_budget), bound)
     # The relative gap from the normalised bound (HiGHS says inf while it has no bound).
     gap = 0.0 if got.status == "optimal" or objective <= 0.0 else (objective - bound) / objective
     return IlpResult(got.status, objective, gap, choice, nv, nr, build_s, solve_s, min_mem, bound_s=bound,
                      start_s=start_s, stats=stats,
                      ac=checkpointing.choice(sol) if checkpointing is not None else None,
-                     memory_bytes=mem_at)
+                     memory_bytes=mem_at, start_index=start_index,
+                     bound_any_budget_s=bound if memory_budget is None else any_budget)
 
 
 def _bound_s(dual_bound: float) -> float:

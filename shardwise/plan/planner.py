@@ -46,6 +46,8 @@ from shardwise.plan.strategies import NodeStrategies, Strategy, enumerate_strate
 log = logging.getLogger(__name__)
 # Memory kept free for the framework, allocator fragmentation and communication buffers.
 MEMORY_RESERVE_FRACTION = 0.1
+# The solver's time limit where the caller gives none, seconds.
+DEFAULT_TIME_LIMIT_S = 60.0
 # Plan statuses that come without placements: no plan fits the memory budget, or the solver's
 # time ran out before it found one.
 NO_PLAN = ("infeasible", "unsolved")
@@ -74,12 +76,13 @@ def make_plan(
     memory_budget: float | None = None,
     constraints: Constraints | None = None,
     clustering: bool = True,
-    time_limit_s: float = 60.0,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     memory: MemoryModel | None = None,
     on_phase: Callable[[str], None] | None = None,
     start_from: Sequence[Plan] = (),
     step_options: dict | None = None,
     rel_gap: float = MIP_REL_GAP,
+    strategy_cache: dict | None = None,
 ) -> Plan | None:
     """Plan ``traced`` over ``mesh``. Returns None when ``baseline`` does not apply to this mesh.
     ``on_phase`` is told what the planner is doing (for progress displays). ``start_from``: plans
@@ -89,7 +92,9 @@ def make_plan(
     ``step_options`` (a training step's ``ac``, ``compile``, ``async_tp``; ``{}`` for the
     defaults): the objective is the step schedule, linearised (``plan/objective.py``), instead
     of the serial sum of every kernel and collective (None). ``rel_gap``: the solver may stop at
-    a plan within this relative gap of its bound (the default: the optimum)."""
+    a plan within this relative gap of its bound (the default: the optimum). ``strategy_cache``:
+    a dict shared by calls on the same ``traced`` and ``mesh`` (``plan_with_baselines``) that
+    keeps each baseline's clustering and strategies for the next call."""
     say = on_phase or (lambda _phase: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -99,30 +104,26 @@ def make_plan(
         if spec is None:
             return None
     budget = default_budget(mesh) if memory_budget is None else memory_budget
-    fixed = _fixed_placeholders(traced, spec, constraints)
-    clus = cluster(traced, fixed) if clustering else no_clustering(traced.gm)
-    timings["cluster_s"] = time.perf_counter() - t0
-
-    t = time.perf_counter()
-    say("enumerating strategies")
-    allowed = _placeholder_filter(fixed, mesh)
-    ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
-    if spec is not None and not _fix_baseline_choices(spec, traced, ns, mesh, clus):
-        return None
-    if not traced.train:
-        _no_partial_outputs(traced, ns, clus)
-    if constraints is not None and constraints.outputs:
-        _constrain_outputs(traced, ns, clus, constraints.outputs, mesh)
-    for n, st in ns.items():
-        if n.op == "placeholder" and not st.strategies:
-            raise UserError(f"no placement of {n.name} fits the constraints on mesh {mesh}.")
-    timings["strategies_s"] = time.perf_counter() - t
+    key = (baseline, id(constraints), clustering)
+    if strategy_cache is not None and key in strategy_cache:
+        if strategy_cache[key] is None:
+            return None
+        # Shallow copies: the strategy lists are replaced, never changed in place.
+        clus, kept = strategy_cache[key]
+        ns = {n: replace(st) for n, st in kept.items()}
+        timings["cluster_s"] = timings["strategies_s"] = 0.0
+    else:
+        built = _strategies(traced, mesh, spec, constraints, clustering, say, timings, t0)
+        if strategy_cache is not None:
+            strategy_cache[key] = built
+        if built is None:
+            return None
+        clus, kept = built
+        ns = {n: replace(st) for n, st in kept.items()} if strategy_cache is not None else kept
 
     costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
     say(f"solving the placement ILP (limit {time_limit_s:g} s)")
     points = _points(traced, ns, clus, start_from, budget)
-    start = _Start(points[0][1], _objective_s(points[0][0]), points[0][0].ac) if points else None
-    started_from = points[0][0].name if points else None
     linearised = checkpointing = None
     if step_options is not None and traced.train:
         from shardwise.cost.step import torchtitan_options
@@ -138,9 +139,21 @@ def make_plan(
                                                compile=bool(step_options.get("compile")))
         linearised = ScheduleObjective(traced, clus, costs,
                                        torchtitan_options(traced, **{**step_options, "ac": ACPolicy.NONE}))
+    starts = [_Start(choice, _objective_s(p), p.ac, p.name) for p, choice in points]
+    if checkpointing is not None and checkpointing.fixed is None:
+        # The ILP decides the checkpointing: a hand plan that does not fit as it runs may fit
+        # with more of it (the ILP's rows say which do).
+        starts += [_Start(choice, math.inf, ac, p.name)
+                   for p, choice in _points(traced, ns, clus, start_from, math.inf)
+                   for ac in _ac_variants(traced, p)]
     res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
-                start=start.choice if start is not None else None, schedule=linearised, rel_gap=rel_gap,
-                checkpointing=checkpointing, start_ac=start.ac if start is not None else None)
+                start=starts[0].choice if starts else None, schedule=linearised, rel_gap=rel_gap,
+                checkpointing=checkpointing, start_ac=starts[0].ac if starts else None,
+                more_starts=[(st.choice, st.ac) for st in starts[1:]])
+    # The start the solver was given; where none was a point of its model, the cheapest hand
+    # plan that fits (the solver's time may run out before it finds a plan of its own).
+    start = starts[res.start_index] if res.start_index is not None else (starts[0] if points else None)
+    started_from = start.name if start is not None else None
     if start is not None:
         res = _never_worse(res, start)
     timings["ilp_build_s"] = res.build_s
@@ -176,6 +189,7 @@ def make_plan(
     timings["total_s"] = time.perf_counter() - t0
     plan.info = {
         "objective_s": objective, "objective": objective_kind, "bound_s": res.bound_s,
+        "bound_any_budget_s": res.bound_any_budget_s,
         "started_from": started_from,
         "start_s": res.start_s, "timings": timings, "memory_budget_bytes": budget,
         # The hand plans that are points of this ILP (they fit and keep the constraints), and
@@ -190,6 +204,31 @@ def make_plan(
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
     return plan
+
+
+def _strategies(traced: Traced, mesh: Mesh, spec: BaselineSpec | None, constraints: Constraints | None,
+                clustering: bool, say: Callable[[str], None], timings: dict[str, float], t0: float,
+                ) -> tuple[Clustering, dict[fx.Node, NodeStrategies]] | None:
+    """The clustering and each representative's strategies under the baseline's fixed choices
+    and the constraints; None when the baseline does not apply."""
+    fixed = _fixed_placeholders(traced, spec, constraints)
+    clus = cluster(traced, fixed) if clustering else no_clustering(traced.gm)
+    timings["cluster_s"] = time.perf_counter() - t0
+    t = time.perf_counter()
+    say("enumerating strategies")
+    allowed = _placeholder_filter(fixed, mesh)
+    ns = enumerate_strategies(traced.gm, mesh.device_mesh(), placeholder_filter=allowed, rep=clus.rep)
+    if spec is not None and not _fix_baseline_choices(spec, traced, ns, mesh, clus):
+        return None
+    if not traced.train:
+        _no_partial_outputs(traced, ns, clus)
+    if constraints is not None and constraints.outputs:
+        _constrain_outputs(traced, ns, clus, constraints.outputs, mesh)
+    for n, st in ns.items():
+        if n.op == "placeholder" and not st.strategies:
+            raise UserError(f"no placement of {n.name} fits the constraints on mesh {mesh}.")
+    timings["strategies_s"] = time.perf_counter() - t
+    return clus, ns
 
 
 def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] = BASELINES,
@@ -211,23 +250,25 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
     plans: dict[str, Plan | None] = {}
     step_options = step_options or {}
     options["step_options"] = step_options
+    options.setdefault("strategy_cache", {})  # the same graph and mesh in every call below
     decide = traced.train and step_options.get("ac") is None
     limit = _schedule_limit(mesh, options.get("memory_budget"))
+    price = _Pricer(traced, mesh, step_options, limit)
     for name in baselines:
         say(f"pricing the {name} baseline")
-        plans[name] = (_baseline_with_ac(traced, mesh, name, limit, options) if decide
+        plans[name] = (_baseline_with_ac(traced, mesh, name, limit, options, price) if decide
                        else make_plan(traced, mesh, baseline=name, **options))
     starts = [b for b in plans.values() if b is not None and b.status not in NO_PLAN]
     auto = make_plan(traced, mesh, constraints=constraints, on_phase=on_phase, start_from=starts, **options)
     if decide and auto.status not in NO_PLAN:
         say("fitting the activation checkpointing to the step's memory")
-        auto = _fit_by_schedule(traced, mesh, auto, limit, constraints, starts, options)
+        auto = _fit_by_schedule(traced, mesh, auto, limit, constraints, starts, options, price)
     if traced.train and auto.status not in NO_PLAN:
         say("laying each plan's step out on streams")
         # Deciding the checkpointing, whether a hand plan fits is the schedule's to say (the
         # ILP's memory row is a model of it): every hand plan that keeps the constraints runs.
         auto = _fastest_by_schedule(traced, mesh, auto, plans, step_options, limit,
-                                    "eligible" if decide else "admissible")
+                                    "eligible" if decide else "admissible", price)
     return auto, plans
 
 
@@ -242,6 +283,9 @@ FIT_ROUNDS = 4
 # change of budget worth a solve, as fractions of the limit (the schedule's peak is not exactly
 # linear in the saved bytes: the allocator rounds and caches).
 FIT_SLACK = 0.01
+# A solve with another budget is worth it only where the ILP's bounds leave room for a plan
+# cheaper by more than this fraction (of the ILP's objective) than the best that fits so far.
+FIT_GAIN = 0.01
 
 
 def _schedule_limit(mesh: Mesh, memory_budget: float | None) -> float:
@@ -249,7 +293,31 @@ def _schedule_limit(mesh: Mesh, memory_budget: float | None) -> float:
     return get_hardware(mesh.hardware).mem_capacity if memory_budget is None else float(memory_budget)
 
 
-def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, options: dict) -> Plan | None:
+@dataclass
+class _Pricer:
+    """Prices plans by the step schedule (``cost/step.price_plan``, which records the figures
+    in ``plan.info["schedule"]``), each plan once: on 70B one pricing takes ~5 s, and the same
+    plans are priced while the baselines are chosen, the budget fitted and the fastest picked."""
+
+    traced: Traced
+    mesh: Mesh
+    step_options: dict
+    limit: float | None
+    done: dict[int, tuple] = field(default_factory=dict)  # id(plan) -> (plan, its AC, estimate)
+
+    def __call__(self, plan: Plan):
+        from shardwise.cost.step import price_plan
+
+        hit = self.done.get(id(plan))
+        if hit is not None and hit[0] is plan and hit[1] == plan.ac:
+            return hit[2]
+        est = price_plan(self.traced, plan, self.mesh, self.step_options, self.limit)
+        self.done[id(plan)] = (plan, plan.ac, est)
+        return est
+
+
+def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, options: dict,
+                      price: _Pricer) -> Plan | None:
     """The hand plan ``name`` run with the first policy of ``AC_LADDER`` whose step fits
     ``limit`` by the schedule (every layer the same, as torchtitan configures it); the last
     that solved where none fits. None where it does not apply.
@@ -257,7 +325,7 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
     Its free choices are made twice, by this planner's objective within its budget and as
     ``shardwise estimate --plan NAME`` makes them (the serial objective, no budget: the faithful
     plan ``benchmarks/fidelity.py`` prices); the faster by the schedule that fits is the plan."""
-    from shardwise.cost.step import price_plan, regions_layers
+    from shardwise.cost.step import regions_layers
 
     last = None
     layers = sorted(regions_layers(traced))
@@ -271,13 +339,15 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
             continue
         plan.ac = plan.ac or ACChoice.uniform(layers, policy)
         last = plan
-        if price_plan(traced, plan, mesh, options["step_options"], limit).fits:
+        if price(plan).fits:
             faithful = make_plan(traced, mesh, baseline=name,
                                  **{**options, "memory_budget": math.inf, "step_options": None})
             if faithful is None or faithful.status in NO_PLAN:
                 break
             faithful.ac = ACChoice.uniform(layers, policy)
-            est = price_plan(traced, faithful, mesh, options["step_options"], limit)
+            if faithful.nodes == plan.nodes:
+                break  # the same placements and checkpointing: the same step
+            est = price(faithful)
             if est.fits and est.step_s < plan.info["schedule"]["step_s"]:
                 faithful.info["free_choices"] = "serial objective, no budget (shardwise estimate --plan NAME)"
                 faithful.info["memory_budget_bytes"] = None  # none: not inf, which JSON lacks
@@ -287,40 +357,56 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
 
 
 def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, constraints,
-                     starts: list[Plan], options: dict) -> Plan:
+                     starts: list[Plan], options: dict, price: _Pricer) -> Plan:
     """Solve again with the ILP's budget set from the step schedule (``FIT_ROUNDS`` at most):
     first the limit less what the schedule held beyond the ILP's memory row in the last plan;
     once one budget gave a plan that fits and another one that does not, halfway between them.
-    Returns the fastest plan that fits by the schedule, else the last one solved."""
-    from shardwise.cost.step import price_plan
-
+    Returns the fastest plan that fits by the schedule, else the last one solved. A solve is
+    skipped where the bounds of the last ones show no plan cheaper by FIT_GAIN can come of it;
+    once a plan fits, the solves for a faster one share one time limit (``time_limit_s``, from
+    the first re-solve; until then each has its own), and each starts from the hand plans and
+    the plans solved before that fit its budget."""
+    deadline = time.perf_counter() + options.get("time_limit_s", DEFAULT_TIME_LIMIT_S)
+    starts = list(starts)
     budget = auto.info["memory_budget_bytes"]
     best: tuple[float, Plan] | None = None
     fits_at, over_at = -math.inf, math.inf  # the largest budget that fit, the smallest that did not
+    bound_over = math.inf  # the ILP's bound at over_at: no smaller budget gives a cheaper plan
     for k in range(FIT_ROUNDS + 1):
-        est = price_plan(traced, auto, mesh, options["step_options"], limit)
+        est = price(auto)
         log.info("ILP budget %s: AC %s, memory row %s, step %.4f s, peak %s (%s)", format_bytes(budget),
                  est.ac, format_bytes(auto.estimate.memory_bytes), est.step_s,
                  format_bytes(est.memory_per_device_bytes), "fits" if est.fits else "does not fit")
         if est.fits:
             fits_at = max(fits_at, budget)
+            starts.append(auto)  # a point of every ILP with a larger budget
             if best is None or est.step_s < best[0]:
                 best = (est.step_s, auto)
-        else:
-            over_at = min(over_at, budget)
+        elif budget < over_at:
+            over_at, bound_over = budget, auto.info["bound_s"]
         if k == FIT_ROUNDS:
             break
         if math.isfinite(fits_at) and math.isfinite(over_at):
             new = (fits_at + over_at) / 2.0
+            if _objective_s(best[1]) <= (1.0 + FIT_GAIN) * bound_over:
+                break  # no budget between gives a plan cheaper by more than FIT_GAIN
         else:
             new = limit * (1.0 - FIT_SLACK) - (est.memory_per_device_bytes - auto.estimate.memory_bytes)
             if est.fits and new < budget:
                 break  # a lower budget cannot give a faster plan
+            if est.fits and _objective_s(auto) <= (1.0 + FIT_GAIN) * auto.info.get("bound_any_budget_s", 0.0):
+                break  # no budget at all gives a plan cheaper by more than FIT_GAIN
         if new <= 0.0 or abs(new - budget) <= FIT_SLACK * limit or over_at - fits_at <= FIT_SLACK * limit:
             break  # no budget left, or no change worth a solve
+        left = deadline - time.perf_counter()
+        if best is not None and left <= 0.0:
+            break  # a plan fits, and the time for faster ones is spent
         budget = new
+        # Until a plan fits, each solve gets the whole time limit: a plan that fits is needed.
         again = make_plan(traced, mesh, constraints=constraints, start_from=starts,
-                          **{**options, "memory_budget": budget})
+                          **{**options, "memory_budget": budget,
+                             "time_limit_s": left if best is not None else options.get("time_limit_s",
+                                                                                      DEFAULT_TIME_LIMIT_S)})
         if again.status in NO_PLAN:
             break
         auto = again
@@ -328,23 +414,25 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
 
 
 def _fastest_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, hand: dict[str, Plan | None],
-                         step_options: dict, limit: float | None = None, among: str = "admissible") -> Plan:
+                         step_options: dict, limit: float | None = None, among: str = "admissible",
+                         price: _Pricer | None = None) -> Plan:
     """Price ``auto`` and every hand plan by the step schedule (``plan.info["schedule"]``);
     the auto plan is the fastest of the ILP's solution and the admissible hand plans. A hand
     plan that wins is returned as the auto plan, with ``chosen_from`` naming it and
     ``ilp_solution`` the schedule of the solution it beat."""
-    from shardwise.cost.step import price_plan
-
+    price = price or _Pricer(traced, mesh, step_options, limit)
     # A hand plan must be faster by more than this relative margin to replace the ILP's plan
     # (float rounding of the schedule's sums).
     tie = 1e-9
-    price_plan(traced, auto, mesh, step_options, limit)
+    price(auto)
     for b in hand.values():
         if b is not None and b.status not in NO_PLAN:
-            price_plan(traced, b, mesh, step_options, limit)
+            price(b)
     best = auto
     for name in auto.info.get(among, []):
-        b = hand[name]
+        b = hand.get(name)
+        if b is None:
+            continue  # a plan the budget fit solved before, a start but no hand plan
         s, t = b.info["schedule"], best.info["schedule"]
         # A plan that fits beats one that does not; then the faster.
         faster = s["step_s"] < t["step_s"] * (1.0 - tie)
@@ -384,6 +472,17 @@ class _Start:
     choice: dict[fx.Node, int]
     objective_s: float
     ac: ACChoice | None = None
+    name: str | None = None  # the hand plan's
+
+
+def _ac_variants(traced: Traced, plan: Plan) -> list[ACChoice]:
+    """The activation checkpointing of every rung of ``AC_LADDER`` (every layer the same) but
+    the one ``plan`` runs: points of the auto ILP with ``plan``'s placements."""
+    from shardwise.cost.step import regions_layers
+
+    layers = sorted(regions_layers(traced))
+    own = set(plan.ac.layer_policies().layers) if plan.ac is not None else {ACPolicy.NONE}
+    return [ACChoice.uniform(layers, p) for p in AC_LADDER if own != {p}]
 
 
 def _points(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import highspy
@@ -80,6 +81,14 @@ class Model:
     # variable t's rows (t >= sum of terms).
     ends: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     t_rows: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    # Fills columns that follow from the integer ones but are neither edge nor move variables
+    # (``checkpointing.py``'s spread columns, from the counts and the x), before ``t_rows``
+    # read them; None where there are none.
+    fill: Callable[[np.ndarray], None] | None = None
+    # The memory row (index), if any: ``solve_by_lp_bound`` also gives a bound without it.
+    memory_row: int | None = None
+    # ``complete``'s index arrays, built on its first call (the model is final by then).
+    _completion: _Completion | None = field(default=None, repr=False)
 
     def var(self, cost: float, ub: float = 1.0, integer: bool = True, lb: float = 0.0) -> int:
         self.cost.append(cost)
@@ -119,6 +128,8 @@ class Solved:
     priced_in: int = 0  # optional columns the pricing added
     columns: int = 0  # columns the last solve could use (the rest fixed at 0)
     integral_lp: bool = False  # pricing ended on an integral LP optimum (no MIP needed)
+    # A lower bound on the optimum whatever the memory row's budget (-inf where none is known).
+    bound_any_budget: float = -math.inf
 
 
 def solve_model(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None,
@@ -275,37 +286,124 @@ RINS_FIX = 0.99
 RINS_SHARE = 0.5
 
 
+@dataclass
+class _Completion:
+    """``Model.ends`` and ``Model.t_rows`` as flat index arrays, so that ``complete`` is a few
+    numpy reductions instead of a Python loop over ~100k columns."""
+
+    edge_cols: np.ndarray  # every edge variable
+    src_cols: np.ndarray  # the x of their sources, concatenated ...
+    src_of: np.ndarray  # ... and which edge (position in edge_cols) each belongs to
+    dst_cols: np.ndarray
+    dst_of: np.ndarray
+    # Move and block variables by level: a variable whose rows read another one comes after it.
+    # Per level: (the variables, their terms' columns, coefficients, row of each term, variable
+    # (position in the level) of each row).
+    levels: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _completion(m: Model) -> _Completion:
+    edge_cols = np.fromiter(m.ends, dtype=np.int64, count=len(m.ends))
+
+    def flat(side: int) -> tuple[np.ndarray, np.ndarray]:
+        lists = [ends[side] for ends in m.ends.values()]
+        cols = np.fromiter((c for cs in lists for c in cs), dtype=np.int64)
+        return cols, np.repeat(np.arange(len(lists)), [len(cs) for cs in lists])
+
+    level: dict[int, int] = {}
+    for t, rows in m.t_rows.items():  # in the order added: what a row reads is levelled first
+        level[t] = 1 + max((level.get(e, -1) for terms in rows for e in terms), default=-1)
+    levels = []
+    for lv in range(max(level.values(), default=-1) + 1):
+        ts = [t for t, k in level.items() if k == lv]
+        cols, coefs, row_of, t_of, r = [], [], [], [], 0
+        for i, t in enumerate(ts):
+            for terms in m.t_rows[t]:
+                cols.extend(terms)
+                coefs.extend(terms.values())
+                row_of.extend([r] * len(terms))
+                t_of.append(i)
+                r += 1
+        levels.append((np.array(ts, dtype=np.int64), np.array(cols, dtype=np.int64),
+                       np.array(coefs, dtype=np.float64), np.array(row_of, dtype=np.int64),
+                       np.array(t_of, dtype=np.int64)))
+    return _Completion(edge_cols, *flat(0), *flat(1), levels)
+
+
+def round_lp(m: Model, primal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The LP point ``primal`` rounded (every group of ``_integer_groups`` by ``round_group``)
+    and completed into a point of ``m`` (it may still break the memory row), and the column
+    upper bounds of the neighbourhood MIP: the one-hot groups the LP decides (>= RINS_FIX)
+    fixed at their choice."""
+    ub = np.array(m.ub, dtype=np.float64)
+    rounded = np.where(np.array(m.integer, dtype=bool), 0.0, np.asarray(m.lb, dtype=np.float64))
+    rins_ub = ub.copy()
+    for cols, total in _integer_groups(m):
+        rounded[cols] = round_group(primal[cols], total, ub[cols])
+        if total == 1 and primal[cols].max() >= RINS_FIX:  # a one-hot group the LP decides
+            rins_ub[cols] = rounded[cols]
+    return complete(m, rounded), rins_ub
+
+
 def complete(m: Model, val: np.ndarray) -> np.ndarray:
     """``val`` with its integer columns (and the constant) set, completed into a point of the
-    model: each edge variable 1 where both its ends are chosen, each move or block variable at
-    the largest of its rows (``Model.ends``, ``Model.t_rows``, in the order they were added)."""
+    model: the columns ``Model.fill`` sets, each edge variable 1 where both its ends are chosen,
+    each move or block variable at the largest of its rows (``Model.ends``, ``Model.t_rows``; a
+    variable after those its rows read)."""
     val = val.copy()
-    for col, (src, dst) in m.ends.items():
-        val[col] = float(val[src].sum() > 0.5 and val[dst].sum() > 0.5)
-    for t, rows in m.t_rows.items():
-        val[t] = max(0.0, *(sum(c * val[e] for e, c in terms.items()) for terms in rows))
+    if m.fill is not None:
+        m.fill(val)
+    if m._completion is None:
+        m._completion = _completion(m)
+    c = m._completion
+    n = len(c.edge_cols)
+    src = np.bincount(c.src_of, weights=val[c.src_cols], minlength=n)
+    dst = np.bincount(c.dst_of, weights=val[c.dst_cols], minlength=n)
+    val[c.edge_cols] = ((src > 0.5) & (dst > 0.5)).astype(np.float64)
+    for ts, cols, coefs, row_of, t_of in c.levels:
+        rows = np.bincount(row_of, weights=coefs * val[cols], minlength=len(t_of))
+        best = np.zeros(len(ts))  # a move or block variable is at least 0
+        np.maximum.at(best, t_of, rows)
+        val[ts] = best
     return val
 
 
 def violated_rows(m: Model, val: np.ndarray) -> int:
     """How many rows ``val`` breaks (beyond HiGHS's feasibility tolerance)."""
-    activity = np.zeros(len(m.row_lb))
     rows = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
-    np.add.at(activity, rows, np.array(m.value) * val[np.array(m.index, dtype=np.int64)])
+    activity = np.bincount(rows, weights=np.array(m.value) * val[np.array(m.index, dtype=np.int64)],
+                           minlength=len(m.row_lb))
     lo, hi = np.array(m.row_lb), np.array(m.row_ub)
     return int(((activity < lo - FEASIBILITY_TOL) | (activity > hi + FEASIBILITY_TOL)).sum())
 
 
-def _one_hot_groups(m: Model) -> list[np.ndarray]:
-    """The columns of each row sum_s x[r,s] = 1 (binary columns, coefficients 1)."""
+def _integer_groups(m: Model) -> list[tuple[np.ndarray, int]]:
+    """The columns and the total of each row sum_j n_j = K over integer columns with
+    coefficients 1 and a whole K: the one-hot rows sum_s x[r,s] = 1, and the activation
+    checkpointing counts n[g,none] + n[g,selective] + n[g,full] = L_g (``checkpointing.py``)."""
     groups = []
     bounds = m.starts + [len(m.index)]
     for r, (lo, hi) in enumerate(zip(m.row_lb, m.row_ub, strict=True)):
-        if lo == hi == 1.0:
+        if lo == hi and lo >= 1.0 and float(lo).is_integer():
             cols = m.index[bounds[r]:bounds[r + 1]]
             if all(m.integer[c] for c in cols) and all(v == 1.0 for v in m.value[bounds[r]:bounds[r + 1]]):
-                groups.append(np.array(cols, dtype=np.int64))
+                groups.append((np.array(cols, dtype=np.int64), int(lo)))
     return groups
+
+
+def round_group(values: np.ndarray, total: int, upper: np.ndarray) -> np.ndarray:
+    """Whole numbers summing to ``total``, each within [0, upper], nearest to ``values`` by the
+    largest remainder (Hamilton's method): each value's floor, then one more to the largest
+    fractions until the total is reached. A one-hot group (total 1) takes its largest value."""
+    v = np.clip(values, 0.0, upper)
+    out = np.minimum(np.floor(v + INTEGRALITY_TOL), upper)
+    for i in np.argsort(-(v - out), kind="stable"):
+        if out.sum() >= total:
+            break
+        out[i] += min(upper[i] - out[i], total - out.sum())
+    while out.sum() > total:  # floors over the total (an interior point just above a whole)
+        out[int(np.argmax(out))] -= 1.0
+    return out
 
 
 @dataclass
@@ -313,6 +411,7 @@ class _LpBound:
     bound: float  # a lower bound on the MIP (solver units)
     primal: np.ndarray  # the LP's (interior) point
     reduced: np.ndarray  # the reduced costs the bound was taken with
+    any_budget: float  # the same bound with the memory row's dual at 0: it holds for any budget
 
 
 def _lp_bound(m: Model, unit: float, time_limit_s: float) -> _LpBound | None:
@@ -346,7 +445,17 @@ def _lp_bound(m: Model, unit: float, time_limit_s: float) -> _LpBound | None:
     cols_part = np.where(reduced >= 0.0, reduced * lb, reduced * ub)
     if not np.all(np.isfinite(cols_part)):
         return None
-    return _LpBound(float(rows_part.sum() + cols_part.sum()), np.asarray(h.getSolution().col_value), reduced)
+    bound = float(rows_part.sum() + cols_part.sum())
+    any_budget = bound
+    if m.memory_row is not None and y[m.memory_row] != 0.0:
+        # L(y) with the memory row's multiplier at 0 is as valid a bound, and its budget appears
+        # nowhere in it: a larger budget cannot make any plan cheaper than this.
+        at = m.memory_row
+        free = reduced.copy()
+        np.add.at(free, index[row_of == at], value[row_of == at] * y[at])
+        free_cols = np.where(free >= 0.0, free * lb, free * ub)
+        any_budget = float(rows_part.sum() - rows_part[at] + free_cols.sum())
+    return _LpBound(bound, np.asarray(h.getSolution().col_value), reduced, any_budget)
 
 
 def _mip(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None, upper: np.ndarray,
@@ -374,7 +483,9 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     objective's max rows) but whose LP optimum is nearly integral:
 
     1. the LP relaxation by interior point (``_lp_bound``): a lower bound LB, the LP point;
-    2. rounding: each one-hot group to its largest LP value, completed (``complete``);
+    2. rounding: each one-hot group to its largest LP value, each group of activation
+       checkpointing counts to whole counts of the same total (``round_group``), completed
+       (``complete``: the edges, the spread columns, the move and block variables);
     3. a neighbourhood MIP (RINS): the groups the LP decides (>= RINS_FIX) fixed, the rest
        free, from the rounded point where it is one; the cheaper of its plan and ``start`` is
        the incumbent UB;
@@ -392,15 +503,7 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
         return _mip(m, unit, max(0.0, deadline - time.perf_counter()), start, ub, rel_gap)
     cost = np.array(m.cost) / unit
     integer = np.array(m.integer, dtype=bool)
-    rounded = np.where(integer, 0.0, np.asarray(m.lb, dtype=np.float64))
-    rins_ub = ub.copy()
-    for cols in _one_hot_groups(m):
-        best = cols[int(np.argmax(lp.primal[cols]))]
-        rounded[best] = 1.0
-        if lp.primal[best] >= RINS_FIX:
-            rins_ub[cols] = 0.0
-            rins_ub[best] = 1.0
-    rounded = complete(m, rounded)
+    rounded, rins_ub = round_lp(m, lp.primal)
     incumbent, broken = start, violated_rows(m, rounded)
     if not broken and (incumbent is None or float(cost @ rounded) < float(cost @ incumbent)):
         incumbent = rounded
@@ -416,7 +519,8 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
         log.debug("neighbourhood MIP: %s %.6g", rins.status, rins.objective)
     upper = float(cost @ incumbent) if incumbent is not None else math.inf
     if _within(incumbent, cost, lp.bound, rel_gap):  # close enough: no (more) MIP
-        return Solved("feasible", upper, lp.bound, incumbent, columns=int((rins_ub > 0.0).sum()))
+        return Solved("feasible", upper, lp.bound, incumbent, columns=int((rins_ub > 0.0).sum()),
+                      bound_any_budget=lp.any_budget)
     fixable = integer.copy()
     fixable[list(m.ends)] = True
     fixed = fixable & (lp.reduced > upper - lp.bound + DUAL_FEASIBILITY_TOL) & (np.asarray(m.lb) == 0.0)
@@ -428,4 +532,5 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     done.columns = int((~fixed).sum())
     if done.solution is None and incumbent is not None:  # out of time: the incumbent stands
         done = Solved("feasible", upper, lp.bound, incumbent, columns=done.columns)
+    done.bound_any_budget = lp.any_budget
     return done
