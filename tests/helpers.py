@@ -17,6 +17,8 @@ from torch import fx
 DATA = Path(__file__).parent / "data"
 REPO = DATA.parents[1]
 HF_TINY = {name: DATA / f"hf_tiny_{name}" / "config.json" for name in ("llama", "mistral", "qwen2")}
+# llama-tiny shaped so that its activations are worth checkpointing (tests/plan/conftest.py).
+AC_LAYERS, AC_BATCH, AC_SEQ = 4, 8, 256
 # Real parameters are drawn at this scale so a few layers of a tiny model stay well conditioned.
 PARAM_SCALE = 0.1
 

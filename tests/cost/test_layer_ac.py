@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +13,7 @@ from shardwise.mesh import parse_mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.passes.remat import ACPolicy, LayerPolicies
 from shardwise.plan.plan import ACChoice, ACGroup, Plan
+from tests.helpers import cli, json_object
 
 LAYERS = 4
 MODEL_ARGS = ("--model", "llama-tiny", "--layers", str(LAYERS), "--batch", "8", "--seq", "256")
@@ -72,10 +71,7 @@ def test_plan_file_keeps_its_ac_and_old_files_load(setup, tmp_path):
 
 
 def _cli(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "shardwise", *args, "--json"], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    return json_object(cli(*args, "--json"))
 
 
 def test_estimate_of_a_saved_plan_runs_its_ac_and_ac_overrides(setup, tmp_path):

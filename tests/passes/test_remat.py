@@ -28,7 +28,7 @@ from shardwise.passes.pipeline import canonicalize
 from shardwise.passes.remat import ACPolicy
 from shardwise.runtime.activations import run_measured
 from shardwise.runtime.launch import real_constants
-from tests.helpers import hf_model_name, real_inputs_for
+from tests.helpers import cli, hf_model_name, json_object, real_inputs_for
 from tests.passes import sp_graphs as G
 
 aten = torch.ops.aten
@@ -490,11 +490,8 @@ def test_run_executes_the_ac_a_plan_file_records(tmp_path):
     plan.ac = ACChoice((ACGroup((0, 1), none=1, selective=0, full=1),))
     path = tmp_path / "mixed.json"
     plan.save(path)
-    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--model", "llama-tiny", "--layers", "2",
-                        "--mesh", "2", "--plan", str(path), "--check", "--json", "--timeout", "120"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = json_object(cli("run", "--model", "llama-tiny", "--layers", "2", "--mesh", "2", "--plan", str(path),
+                          "--check", "--json", "--timeout", "120"))
     assert out["ac"]["policy"] == "none x 1, full x 1" and out["ac"]["recomputed_nodes"] > 0
     assert out["max_rel_err"] <= MAX_REL_ERR
     saved = out["ac"]["saved_activation_bytes"]

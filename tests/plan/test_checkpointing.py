@@ -2,35 +2,29 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from shardwise.cost.step import price_plan
-from shardwise.ir.trace import trace_model
-from shardwise.mesh import parse_mesh
-from shardwise.passes.pipeline import canonicalize
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan import make_plan
 from shardwise.plan.planner import NO_PLAN, plan_with_baselines
+from tests.helpers import AC_BATCH as BATCH
+from tests.helpers import AC_LAYERS as LAYERS
+from tests.helpers import AC_SEQ as SEQ
+from tests.helpers import cli, json_object
 
-LAYERS, BATCH, SEQ = 4, 8, 256
 BIG = 2**40  # a budget nothing reaches
 MiB = 2**20
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    tr = trace_model("llama-tiny", layers=LAYERS, batch=BATCH, seq=SEQ)
-    canonicalize(tr)
-    return tr
+def tiny(tiny_four_layers):
+    return tiny_four_layers
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    return parse_mesh("2", None, "h100")
+def mesh(mesh_of_two):
+    return mesh_of_two
 
 
 def _ddp(tiny, mesh, budget, ac=None):
@@ -105,10 +99,7 @@ def test_hand_plans_run_the_first_policy_that_fits_and_auto_beats_them(tiny, mes
 
 
 def _cli(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "shardwise", *args, "--json"], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)  # exactly one JSON object
+    return json_object(cli(*args, "--json"))
 
 
 def test_cli_plan_prints_the_chosen_ac_and_estimate_of_the_saved_plan_agrees(tmp_path):

@@ -14,28 +14,23 @@ import pytest
 import shardwise.cost.step as step
 import shardwise.plan.objective as objective
 import shardwise.plan.planner as planner
-from shardwise.ir.trace import trace_model
-from shardwise.mesh import parse_mesh
-from shardwise.passes.pipeline import canonicalize
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan import make_plan, solver
 from shardwise.plan.planner import plan_with_baselines
+from tests.helpers import AC_LAYERS as LAYERS
 
-LAYERS, BATCH, SEQ = 4, 8, 256
 BIG = 2**40  # a budget nothing reaches
 NO_TIME_S = 1e-9  # HiGHS stops before it has read the start point
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    tr = trace_model("llama-tiny", layers=LAYERS, batch=BATCH, seq=SEQ)
-    canonicalize(tr)
-    return tr
+def tiny(tiny_four_layers):
+    return tiny_four_layers
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    return parse_mesh("2", None, "h100")
+def mesh(mesh_of_two):
+    return mesh_of_two
 
 
 def _ddp(tiny, mesh, budget, ac=None):
