@@ -152,8 +152,10 @@ def test_a_glob_constrains_every_parameter_it_matches(capsys):
             assert held[f"layers.{layer}.attention.{w}.weight"] == ["S(1)"]
     # wv is left to the solver: it reads the activation wq and wk read, so its best placement
     # may change with theirs; pinning it to its unconstrained choice costs at least as much.
+    # It is pinned in every layer: pinning one layer's only would split the identical layers'
+    # cluster, and two layers planned apart may beat the glob's plan by a hair (1e-5 relative).
     wv = "layers.0.attention.wv.weight"
-    _, cost_wv = _auto_objective(capsys, glob, f"{wv}={','.join(free[wv])}")
+    _, cost_wv = _auto_objective(capsys, glob, f"layers.*.attention.wv.weight={','.join(free[wv])}")
     assert cost <= cost_wv * (1 + PLAN_TIE)
 
 
