@@ -185,6 +185,7 @@ class CollectiveKind(enum.Enum):
 # from the group name).
 C10D_KINDS: dict[object, CollectiveKind] = {
     c10d.all_reduce.default: CollectiveKind.ALL_REDUCE,
+    c10d.all_reduce_.default: CollectiveKind.ALL_REDUCE,  # in place (``inplace_all_reduce``)
     c10d.all_gather_into_tensor.default: CollectiveKind.ALL_GATHER,
     c10d.reduce_scatter_tensor.default: CollectiveKind.REDUCE_SCATTER,
     c10d.all_to_all_single.default: CollectiveKind.ALL_TO_ALL,

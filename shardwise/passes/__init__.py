@@ -24,12 +24,14 @@ PASSES: dict[str, str] = {
     "early_loss_weight": "shardwise.passes.early_loss_weight",
     "sink_waits": "shardwise.passes.sink_waits",
     "inplace_all_reduce": "shardwise.passes.inplace_all_reduce",
+    "exchange_all_reduce": "shardwise.passes.exchange_all_reduce",
 }
 
 # Passes that change no value and only help a bound program run (fewer ops, collectives under
 # compute, no copies): ``parallelize`` applies them to every program it binds, after the user's
-# passes. ``inplace_all_reduce`` makes the graph mutate a buffer, so it comes last.
-RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits", "inplace_all_reduce")
+# passes. ``inplace_all_reduce`` makes the graph mutate a buffer, and ``exchange_all_reduce``
+# calls Python functions, so they come last.
+RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits", "inplace_all_reduce", "exchange_all_reduce")
 # Before torch.compile: the ones that keep the graph functional (Dynamo traces functional
 # collectives only); the waits are sunk so that the graph Inductor starts from overlaps them.
 COMPILED_RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits")
