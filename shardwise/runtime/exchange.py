@@ -7,10 +7,10 @@ sum, and the same bits on every rank: in each round both partners add the same t
 under the compute that follows (gloo's transport thread moves the bytes); ``finish`` waits for it,
 adds, and runs the remaining rounds.
 
-Why: gloo's all_reduce takes 2-3 ms for the 0.1-1 MiB gradient bucket of a small model on two
-ranks on one host, where one exchange and an add take a third of that
-(``benchmarks/exchange.py``). A step whose last bucket is reduced after the backward waits
-that long for it, DDP's as well.
+Why: a step whose last gradient bucket is reduced after the backward waits for that
+all_reduce (DDP's as well), and on two ranks of one host gloo's all_reduce of a 0.1-1 MiB bucket
+took 2-4 ms inside a training step where one exchange and an add take well under half of it
+(``benchmarks/exchange.py`` compares the two on their own).
 """
 
 from __future__ import annotations
