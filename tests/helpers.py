@@ -19,6 +19,14 @@ REPO = DATA.parents[1]
 HF_TINY = {name: DATA / f"hf_tiny_{name}" / "config.json" for name in ("llama", "mistral", "qwen2")}
 # llama-tiny shaped so that its activations are worth checkpointing (tests/plan/conftest.py).
 AC_LAYERS, AC_BATCH, AC_SEQ = 4, 8, 256
+
+
+def ddp_plan(traced, mesh, budget: float, ac=None):
+    """The ddp hand plan of ``traced`` within ``budget`` bytes, priced by the step schedule with
+    activation checkpointing ``ac`` (None: the planner chooses)."""
+    from shardwise.plan import make_plan
+
+    return make_plan(traced, mesh, baseline="ddp", memory_budget=budget, step_options={"ac": ac})
 # Real parameters are drawn at this scale so a few layers of a tiny model stay well conditioned.
 PARAM_SCALE = 0.1
 

@@ -6,12 +6,11 @@ import pytest
 
 from shardwise.cost.step import price_plan
 from shardwise.passes.remat import ACPolicy
-from shardwise.plan import make_plan
 from shardwise.plan.planner import NO_PLAN, plan_with_baselines
 from tests.helpers import AC_BATCH as BATCH
 from tests.helpers import AC_LAYERS as LAYERS
 from tests.helpers import AC_SEQ as SEQ
-from tests.helpers import cli, json_object
+from tests.helpers import cli, ddp_plan, json_object
 
 BIG = 2**40  # a budget nothing reaches
 MiB = 2**20
@@ -27,17 +26,13 @@ def mesh(mesh_of_two):
     return mesh_of_two
 
 
-def _ddp(tiny, mesh, budget, ac=None):
-    return make_plan(tiny, mesh, baseline="ddp", memory_budget=budget, step_options={"ac": ac})
-
-
 @pytest.fixture(scope="module")
 def uniform(tiny, mesh):
     """The ddp placements with every layer none (decided under no memory pressure), selective,
     full: (ILP memory row, ILP objective) each."""
-    out = {ACPolicy.NONE: _ddp(tiny, mesh, BIG)}
+    out = {ACPolicy.NONE: ddp_plan(tiny, mesh, BIG)}
     for p in (ACPolicy.SELECTIVE, ACPolicy.FULL):
-        out[p] = _ddp(tiny, mesh, BIG, p)
+        out[p] = ddp_plan(tiny, mesh, BIG, p)
     return {p: (plan.estimate.memory_bytes, plan.info["objective_s"], plan) for p, plan in out.items()}
 
 
@@ -64,7 +59,7 @@ def test_a_budget_between_policies_mixes_them_exactly(tiny, mesh, uniform):
     (m_none, o_none, _), (m_sel, o_sel, _), (m_full, o_full, _) = (
         uniform[p] for p in (ACPolicy.NONE, ACPolicy.SELECTIVE, ACPolicy.FULL))
     budget = (m_none + m_sel) / 2
-    plan = _ddp(tiny, mesh, budget)
+    plan = ddp_plan(tiny, mesh, budget)
     (g,) = plan.ac.groups
     assert 0 < g.none < LAYERS and g.selective + g.full > 0
     mix = m_none + (g.selective * (m_sel - m_none) + g.full * (m_full - m_none)) / LAYERS
@@ -72,12 +67,12 @@ def test_a_budget_between_policies_mixes_them_exactly(tiny, mesh, uniform):
     assert plan.estimate.memory_bytes <= budget
     assert o_none < plan.info["objective_s"] < o_full
     # The more memory, the fewer layers recompute.
-    roomier = _ddp(tiny, mesh, (budget + m_none) / 2).ac.groups[0]
+    roomier = ddp_plan(tiny, mesh, (budget + m_none) / 2).ac.groups[0]
     assert roomier.none >= g.none
 
 
 def test_no_policy_fits_a_budget_under_full(tiny, mesh, uniform):
-    assert _ddp(tiny, mesh, uniform[ACPolicy.FULL][0] * 0.9).status in NO_PLAN
+    assert ddp_plan(tiny, mesh, uniform[ACPolicy.FULL][0] * 0.9).status in NO_PLAN
 
 
 def test_hand_plans_run_the_first_policy_that_fits_and_auto_beats_them(tiny, mesh):

@@ -18,6 +18,7 @@ from shardwise.passes.remat import ACPolicy
 from shardwise.plan import make_plan, solver
 from shardwise.plan.planner import plan_with_baselines
 from tests.helpers import AC_LAYERS as LAYERS
+from tests.helpers import ddp_plan
 
 BIG = 2**40  # a budget nothing reaches
 NO_TIME_S = 1e-9  # HiGHS stops before it has read the start point
@@ -31,10 +32,6 @@ def tiny(tiny_four_layers):
 @pytest.fixture(scope="module")
 def mesh(mesh_of_two):
     return mesh_of_two
-
-
-def _ddp(tiny, mesh, budget, ac=None):
-    return make_plan(tiny, mesh, baseline="ddp", memory_budget=budget, step_options={"ac": ac})
 
 
 @pytest.mark.parametrize(("values", "total", "upper", "want"), [
@@ -80,10 +77,10 @@ def test_rounding_the_lp_keeps_the_checkpointing_counts(tiny, mesh, monkeypatch)
         models.append((m, unit))
         return real(m, unit, *args, **kw)
 
-    none = _ddp(tiny, mesh, BIG, ACPolicy.NONE).estimate.memory_bytes
-    selective = _ddp(tiny, mesh, BIG, ACPolicy.SELECTIVE).estimate.memory_bytes
+    none = ddp_plan(tiny, mesh, BIG, ACPolicy.NONE).estimate.memory_bytes
+    selective = ddp_plan(tiny, mesh, BIG, ACPolicy.SELECTIVE).estimate.memory_bytes
     monkeypatch.setattr(objective, "solve_by_lp_bound", spy)
-    plan = _ddp(tiny, mesh, (none + selective) / 2)
+    plan = ddp_plan(tiny, mesh, (none + selective) / 2)
     assert plan.ac.groups[0].none < LAYERS  # checkpointing was decided, and some layers use it
     m, unit = models[-1]
     counts = [(cols, total) for cols, total in solver._integer_groups(m) if total == LAYERS]
@@ -99,8 +96,8 @@ def test_rounding_the_lp_keeps_the_checkpointing_counts(tiny, mesh, monkeypatch)
 def test_a_hand_plan_too_big_without_checkpointing_starts_the_ilp_with_it(tiny, mesh):
     """ddp as it runs (no checkpointing) breaks the budget; with full checkpointing it fits, so
     it is the start point and, without time to search, the plan."""
-    hand = _ddp(tiny, mesh, BIG, ACPolicy.NONE)
-    full = _ddp(tiny, mesh, BIG, ACPolicy.FULL).estimate.memory_bytes
+    hand = ddp_plan(tiny, mesh, BIG, ACPolicy.NONE)
+    full = ddp_plan(tiny, mesh, BIG, ACPolicy.FULL).estimate.memory_bytes
     budget = (hand.estimate.memory_bytes + full) / 2
     assert hand.estimate.memory_bytes > budget
     auto = make_plan(tiny, mesh, memory_budget=budget, step_options={}, start_from=[hand],
