@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from shardwise.ir.match import CollectiveKind, all_collectives, is_wait
+from shardwise.ir.match import Collective, CollectiveKind, all_collectives
 from shardwise.runtime import exchange
 
 c10d = torch.ops._c10d_functional
@@ -35,8 +35,7 @@ c10d = torch.ops._c10d_functional
 
 @dataclass(frozen=True)
 class Exchange:
-    op: fx.Node  # the all_reduce (functional or in place)
-    wait: fx.Node  # its wait, the only reader of its result
+    reduce: Collective  # the all_reduce (functional or in place); its wait reads it alone
     in_place: bool
 
 
@@ -55,12 +54,11 @@ def find(gm: fx.GraphModule, backends: Sequence[str] = ("gloo",)) -> list[Exchan
         val = c.input.meta.get("val")
         if not isinstance(val, torch.Tensor) or (c.reduce_op == "avg" and not val.dtype.is_floating_point):
             continue
-        users = list(c.op.users)
-        if len(users) != 1 or not is_wait(users[0]):
+        if c.wait is None or len(c.op.users) != 1:
             continue
         if not exchange.is_power_of_two(c.group_size or 0) or _backend(c.group_name) not in backends:
             continue
-        out.append(Exchange(c.op, users[0], c.op.target is c10d.all_reduce_.default))
+        out.append(Exchange(c, c.op.target is c10d.all_reduce_.default))
     return out
 
 
@@ -68,12 +66,12 @@ def apply(gm: fx.GraphModule, backends: Sequence[str] = ("gloo",)) -> int:
     """Rewrite each all_reduce over a group of ``backends``; returns the number rewritten."""
     matches = find(gm, backends)
     for tag, m in enumerate(matches):
-        reduce_op, group_name = m.op.args[1], m.op.args[2]
-        with gm.graph.inserting_before(m.op):
+        c = m.reduce
+        with gm.graph.inserting_before(c.op):
             start = gm.graph.call_function(exchange.start,
-                                           (m.op.args[0], reduce_op, group_name, m.in_place, tag))
-        m.wait.target, m.wait.args = exchange.finish, (start,)
-        gm.graph.erase_node(m.op)
+                                           (c.input, c.reduce_op, c.group_name, m.in_place, tag))
+        c.wait.target, c.wait.args = exchange.finish, (start,)
+        gm.graph.erase_node(c.op)
     if matches:
         gm.recompile()
     return len(matches)
