@@ -10,7 +10,6 @@ from torch.distributed._functional_collectives import all_reduce
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.passes import exchange_all_reduce, inplace_all_reduce
-from shardwise.runtime import exchange
 from tests.helpers import spawn
 
 
@@ -47,17 +46,11 @@ def test_sums_and_means_are_exchanged_and_agree_on_every_rank(world):
             assert torch.equal(a, b)  # the same bits everywhere: replicas stay in sync
 
 
-def _three(rank: int, world: int) -> int:
+def _refused(rank: int, world: int, backends: tuple[str, ...]) -> int:
     gm = make_fx(_step)(torch.randn(8), torch.randn(4, 4))
-    return exchange_all_reduce.apply(gm)
+    return exchange_all_reduce.apply(gm, backends=backends)
 
 
-def test_a_group_that_is_no_power_of_two_keeps_its_all_reduce():
-    assert spawn(_three, 3) == [0, 0, 0]
-
-
-def test_no_process_group_no_rewrite():
-    """A graph of a group this process does not have (planned elsewhere) is left alone."""
-    gm = torch.fx.symbolic_trace(lambda x: x)
-    assert exchange_all_reduce.apply(gm) == 0
-    assert exchange.is_power_of_two(4) and not exchange.is_power_of_two(6)
+@pytest.mark.parametrize(("world", "backends"), [(3, ("gloo",)), (2, ("nccl",))])
+def test_a_group_of_no_power_of_two_or_of_another_backend_keeps_its_all_reduce(world, backends):
+    assert spawn(_refused, world, backends) == [0] * world
