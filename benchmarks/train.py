@@ -24,7 +24,7 @@ over 4 ranks with the fsdp plan, then ``init_weights``: each rank's peak RSS nex
 size (no rank ever holds the whole model).
 
     python benchmarks/train.py [--models llama-tiny:8x128,llama-small:8x256] [--layers 4] [--compile]
-                               [--skip-memory]
+                               [--phases] [--skip-memory]
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = ("shardwise-fsdp", "shardwise-ddp", "torch-fsdp2", "torch-ddp")
 COMPILED = "+compile"  # the suffix of a loop run through torch.compile
+# A training step's phases, in order, as ``--phases`` prints them.
+PHASES = ("inputs", "model", "backward", "clip", "optimizer", "zero_grad")
 # llama-tiny's step is per-op overhead (hidden 64); llama-small's is arithmetic (hidden 256).
 DEFAULT_CASES = ("llama-tiny:8x128", "llama-small:8x256")
 
@@ -125,22 +127,36 @@ def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) ->
     # The same for every loop; fused is torchtitan's default AdamW implementation.
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **{args.optimizer: True})
     times, loss = [], None
+    # Per phase, the wall and this thread's CPU seconds of each timed step (``--phases``).
+    phases: dict[str, list[tuple[float, float]]] = {name: [] for name in PHASES}
     for step in range(args.warmup + args.steps):
         dist.barrier()
-        t0 = time.perf_counter()
-        loss = model(*step_inputs(step))
+        marks = [(time.perf_counter(), time.thread_time())]
+        inputs = step_inputs(step)
+        marks.append((time.perf_counter(), time.thread_time()))
+        loss = model(*inputs)
+        marks.append((time.perf_counter(), time.thread_time()))
         loss.backward()
+        marks.append((time.perf_counter(), time.thread_time()))
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        marks.append((time.perf_counter(), time.thread_time()))
         opt.step()
+        marks.append((time.perf_counter(), time.thread_time()))
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
+        marks.append((time.perf_counter(), time.thread_time()))
+        times.append(marks[-1][0] - marks[0][0])
+        if step >= args.warmup:
+            for name, (w0, c0), (w1, c1) in zip(PHASES, marks[:-1], marks[1:], strict=True):
+                phases[name].append((w1 - w0, c1 - c0))
     # DDP and FSDP2 losses are this rank's half of the batch: average them over the ranks.
     if loop.startswith("torch"):
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         loss /= world
     # The median step: one step stalled by another process on a shared machine does not count.
-    results[(mode, rank)] = (statistics.median(times[args.warmup:]), loss.item())
+    per_phase = {name: tuple(statistics.median(x) for x in zip(*v, strict=True))
+                 for name, v in phases.items()}
+    results[(mode, rank)] = (statistics.median(times[args.warmup:]), loss.item(), per_phase)
     dist.destroy_process_group()
 
 
@@ -167,15 +183,17 @@ def speed(args) -> None:
     print(f"{'loop':<24} {'step_ms':>9} {'tokens/s':>10} {'last_loss':>10}")
     best: dict[str, float] = {}
     losses: dict[str, float] = {}
+    best_phases: dict[str, dict[str, tuple[float, float]]] = {}
     modes = [*MODES, *(m + COMPILED for m in MODES if args.compile)]
     # Rounds interleave the loops, so a load that drifts on a shared machine touches them all.
     for _ in range(args.rounds):
         for mode in modes:
             results = mp.Manager().dict()
             mp.spawn(_speed_worker, args=(2, _free_port(), mode, args, results), nprocs=2, join=True)
-            step_s = max(results[(mode, r)][0] for r in range(2))
-            best[mode] = min(best.get(mode, math.inf), step_s)
-            losses[mode] = results[(mode, 0)][1]
+            slower = max(range(2), key=lambda r: results[(mode, r)][0])
+            step_s, losses[mode], per_phase = results[(mode, slower)]
+            if step_s < best.get(mode, math.inf):
+                best[mode], best_phases[mode] = step_s, per_phase
     rows = {}
     for mode in modes:
         rows[mode] = args.batch * args.seq / best[mode]
@@ -185,6 +203,20 @@ def speed(args) -> None:
         pairs += [(a + COMPILED, b + c) for a, b in pairs[:2] for c in ("", COMPILED)]
     for ours, theirs in pairs:
         print(f"{ours} / {theirs}: {rows[ours] / rows[theirs]:.2f}x tokens/s")
+    if args.phases:
+        _print_phases(modes, best_phases)
+
+
+def _print_phases(modes: list[str], best_phases: dict[str, dict[str, tuple[float, float]]]) -> None:
+    """Each loop's step by phase (the slower rank of its best round, median over the timed
+    steps), wall / this thread's CPU in ms. ``model`` is shardwise's whole planned step (forward
+    and backward, its collectives included) but DDP's and FSDP2's forward alone; their backward
+    is ``backward``, where shardwise only hands out the gradients it already has."""
+    print("per phase, wall/cpu ms (cpu: the training thread alone; the rest of wall is waiting)")
+    print(f"{'loop':<24}" + "".join(f"{name:>14}" for name in PHASES))
+    for mode in modes:
+        cells = "".join(f"{w * 1e3:>8.2f}/{c * 1e3:<5.2f}" for w, c in (best_phases[mode][n] for n in PHASES))
+        print(f"{mode:<24}{cells}")
 
 
 def memory(args) -> None:
@@ -216,6 +248,8 @@ def main() -> None:
     p.add_argument("--mem-batch", type=int, default=4)
     p.add_argument("--mem-seq", type=int, default=256)
     p.add_argument("--compile", action="store_true", help="also run every loop through torch.compile")
+    p.add_argument("--phases", action="store_true",
+                   help="also print each loop's step by phase (wall and CPU ms)")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     args = p.parse_args()

@@ -29,9 +29,12 @@ PASSES: dict[str, str] = {
 
 # Passes that change no value and only help a bound program run (fewer ops, collectives under
 # compute, no copies): ``parallelize`` applies them to every program it binds, after the user's
-# passes. ``inplace_all_reduce`` makes the graph mutate a buffer, and ``exchange_all_reduce``
-# calls Python functions, so they come last.
-RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits", "inplace_all_reduce", "exchange_all_reduce")
+# passes. ``inplace_all_reduce`` makes the graph mutate a buffer, so it comes last.
+# ``exchange_all_reduce`` is not among them: it is faster than gloo's all_reduce alone
+# (``benchmarks/exchange.py``) but made llama-tiny's whole ddp step ~10% slower on two ranks of a
+# 2-core machine (its isend/irecv keep gloo's transport thread busy beside the compute); a user
+# may still ask for it with ``passes``.
+RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits", "inplace_all_reduce")
 # Before torch.compile: the ones that keep the graph functional (Dynamo traces functional
 # collectives only); the waits are sunk so that the graph Inductor starts from overlaps them.
 COMPILED_RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits")

@@ -14,7 +14,10 @@ of an integer one), over a gloo group whose size is a power of two, whose only r
 wait; an in-place all_reduce (``inplace_all_reduce``) reduces its buffer in place, a functional
 one a copy. Every rank rewrites the same collectives, in the same order, with the same tags,
 so the exchanges pair up. Other backends keep their collective (NCCL's all_reduce is the fast
-path there). A runtime pass: its targets are Python functions, it runs last on a bound program.
+path there). Its targets are Python functions: it rewrites a program bound to real process
+groups (``parallelize(..., passes=("exchange_all_reduce",))``, ``train --passes``). Not one of
+``RUNTIME_PASSES``: inside a whole training step on two ranks of a 2-core machine it was slower
+than gloo's all_reduce (``passes/__init__.py``).
 """
 
 from __future__ import annotations

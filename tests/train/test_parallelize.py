@@ -155,6 +155,43 @@ def test_one_device_module_is_the_model(one_process_group):
         assert torch.allclose(p.grad.full_tensor(), grads[k], rtol=1e-4, atol=1e-6), k
 
 
+def test_gradients_reach_every_way_autograd_hands_them_out(one_process_group):
+    """``loss.backward()`` puts the gradients in ``.grad`` directly, but hooks, accumulation,
+    ``backward(inputs=...)`` and ``torch.autograd.grad`` see the same gradients as through
+    autograd."""
+    import shardwise.train as sw
+
+    torch.manual_seed(0)
+    model = gpt2.GPT2()
+    idx, tgt = gpt2.batch(0)
+    pm = sw.parallelize(model, "1", [idx, tgt], plan="ddp", loss_fn=gpt2.loss_fn, time_limit_s=20)
+    params = dict(pm.named_parameters())
+    step = pm.shard_inputs(idx, tgt)
+
+    want = dict(zip(params, torch.autograd.grad(pm(*step), list(params.values())), strict=True))
+    assert all(p.grad is None for p in params.values())  # autograd.grad leaves .grad alone
+
+    pm(*step).backward()
+    for k, p in params.items():
+        assert torch.equal(p.grad.full_tensor(), want[k].full_tensor()), k
+    (2.0 * pm(*step)).backward()  # accumulated, and scaled by the loss's incoming gradient
+    for k, p in params.items():
+        assert torch.allclose(p.grad.full_tensor(), 3.0 * want[k].full_tensor(), rtol=1e-6), k
+
+    pm.zero_grad()
+    hooked, only = params["wte.weight"], params["h.0.fc.weight"]
+    seen = []
+    hooked.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.full_tensor().clone()))
+    doubled = params["ln_f.weight"]
+    doubled.register_hook(lambda g: 2.0 * g)
+    pm(*step).backward(inputs=[hooked, only, doubled])
+    assert len(seen) == 1 and torch.equal(seen[0], want["wte.weight"].full_tensor())
+    assert torch.equal(only.grad.full_tensor(), want["h.0.fc.weight"].full_tensor())
+    assert torch.equal(doubled.grad.full_tensor(), 2.0 * want["ln_f.weight"].full_tensor())
+    assert all(p.grad is None for k, p in params.items()
+               if k not in ("wte.weight", "h.0.fc.weight", "ln_f.weight"))
+
+
 def test_meta_model_refuses_to_run_before_init(one_process_group):
     import shardwise.train as sw
 
