@@ -14,14 +14,16 @@ Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) this process is one rank: i
 group from the environment, runs its piece, and rank 0 gathers the rest over the group.
 
 Faults: a worker that raises reports its error; the parent then gives the others a moment and
-kills every child. A worker that never reports by ``timeout_s`` is named as hung. Either way
-``run`` raises ``RunError`` naming the rank, and no child outlives it.
+kills every child. A worker that never reports by ``timeout_s`` is named as hung, and the error
+names the file where it wrote every thread's Python stack shortly before (``HANG_DUMP_SHARE``).
+Either way ``run`` raises ``RunError`` naming the rank, and no child outlives it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import faulthandler
 import importlib
 import io
 import math
@@ -29,7 +31,9 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -56,6 +60,9 @@ FAILURE_GRACE_S = 2.0
 # Process-group timeout as a share of the run's: ranks blocked on a hung peer give up (and say
 # so) well before the parent's deadline, so the one that never reports stands out as the hang.
 PG_TIMEOUT_SHARE = 0.8
+# A rank still running at this share of the run's timeout (its peers gave up at PG_TIMEOUT_SHARE)
+# writes every thread's Python stack to its file, which the hang's error names.
+HANG_DUMP_SHARE = 0.9
 # Modules a rank imports before it unpickles its tasks (the forkserver imports them once, so each
 # rank starts with them loaded): they register the op namespaces lowered graphs call (c10d
 # functional collectives, DeviceMesh's runtime coordinate, shardwise's ops). The order matters:
@@ -89,10 +96,12 @@ class Fault:
 class RunError(RuntimeError):
     """A rank failed or hung; the message names it."""
 
-    def __init__(self, message: str, rank: int | None = None, details: str = "") -> None:
+    def __init__(self, message: str, rank: int | None = None, details: str = "",
+                 stacks: str | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.details = details  # the failing rank's traceback, when it sent one
+        self.stacks = stacks  # the file where a hung rank wrote its threads' stacks, if it did
 
 
 @dataclass
@@ -351,11 +360,15 @@ def _run_tasks(rank: int, backend: str, payload: bytes, send) -> bytes:
     return _to_bytes(_run_rank(tasks, backend, rank, fault))
 
 
-def _worker(rank: int, world: int, port: int, backend: str, fn, payload: bytes, pg_timeout_s: float,
-            results) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, fn, payload: bytes, timeout_s: float,
+            results, stacks: str) -> None:
     """One rank in a fresh process: join the real group, run ``fn(rank, backend, payload, send)``,
     report what it returns (never raises). ``payload`` is unpickled by ``fn`` itself, once the
-    ops it names are registered; ``send(obj)`` passes a message (progress) to the parent."""
+    ops it names are registered; ``send(obj)`` passes a message (progress) to the parent. Still
+    running near ``timeout_s``, it writes its threads' stacks to ``_stack_file(stacks, rank)``."""
+    pg_timeout_s = timeout_s * PG_TIMEOUT_SHARE
+    stack_file = open(_stack_file(stacks, rank), "w")  # closed below: faulthandler may write it late
+    faulthandler.dump_traceback_later(timeout_s * HANG_DUMP_SHARE, file=stack_file)
     try:
         for module in WORKER_IMPORTS:
             importlib.import_module(module)
@@ -369,11 +382,17 @@ def _worker(rank: int, world: int, port: int, backend: str, fn, payload: bytes, 
     except BaseException as e:  # report everything: the parent names the rank and its error
         results.put(("error", rank, _first_line(e), traceback.format_exc()))
     finally:
+        faulthandler.cancel_dump_traceback_later()
+        stack_file.close()
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:  # the group may be broken by a failed peer; the process ends anyway
             pass
+
+
+def _stack_file(stacks: str, rank: int) -> str:
+    return os.path.join(stacks, f"rank{rank}-stacks.txt")
 
 
 def _first_line(e: BaseException) -> str:
@@ -474,21 +493,27 @@ def spawn(fn, payloads: Sequence[bytes], backend: str, timeout_s: float, *,
     store = dist.TCPStore(LOCALHOST, 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     results = ctx.Queue()
+    stacks = tempfile.mkdtemp(prefix="shardwise-ranks-")
     procs = [ctx.Process(target=_worker, name=f"shardwise-rank{r}", daemon=True,
-                         args=(r, world, store.port, backend, fn, payloads[r], timeout_s * PG_TIMEOUT_SHARE,
-                               results))
+                         args=(r, world, store.port, backend, fn, payloads[r], timeout_s, results, stacks))
              for r in range(world)]
     deadline = time.monotonic() + timeout_s
+    keep_stacks = False
     try:
         with _main_not_rerun():
             for p in procs:
                 p.start()
         if while_running is not None:
             while_running()
-        return _collect(results, procs, world, deadline, timeout_s, on_message)
+        return _collect(results, procs, world, deadline, timeout_s, on_message, stacks)
+    except RunError as e:
+        keep_stacks = e.stacks is not None
+        raise
     finally:
         _kill_all(procs)
         del store
+        if not keep_stacks:
+            shutil.rmtree(stacks, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -505,8 +530,10 @@ def _main_not_rerun() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def _collect(results, procs, world: int, deadline: float, timeout_s: float, on_message=None) -> list:
-    """Wait for every rank's report; on the first error (or the deadline) raise ``RunError``."""
+def _collect(results, procs, world: int, deadline: float, timeout_s: float, on_message=None,
+             stacks: str | None = None) -> list:
+    """Wait for every rank's report; on the first error (or the deadline) raise ``RunError``
+    (for a hang, naming the hung rank's stack file in ``stacks`` where it wrote one)."""
     done: dict[int, object] = {}
     errors: dict[int, tuple[str, str]] = {}
     grace_end: float | None = None
@@ -542,7 +569,11 @@ def _collect(results, procs, world: int, deadline: float, timeout_s: float, on_m
         # Nobody failed on its own: the silent rank hung and the others (if any) gave up on it.
         waiting = (f" while rank(s) {', '.join(map(str, sorted(errors)))} timed out waiting for it"
                    if errors else "")
-        raise RunError(f"rank {silent[0]} hung: no report within {timeout_s:g} s{waiting}.", silent[0])
+        path = _stack_file(stacks, silent[0]) if stacks is not None else None
+        dumped = path is not None and os.path.exists(path) and os.path.getsize(path) > 0
+        where = f"; its threads' stacks are in {path}" if dumped else ""
+        raise RunError(f"rank {silent[0]} hung: no report within {timeout_s:g} s{waiting}{where}.", silent[0],
+                       stacks=path if dumped else None)
     if errors:
         rank = min(errors)
         raise RunError(f"rank {rank} failed: {errors[rank][0]}.", rank, errors[rank][1])

@@ -5,6 +5,7 @@ quickly, naming the rank, with no process left behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -150,6 +151,11 @@ def test_a_rank_that_hangs_ends_the_run_naming_it():
     assert err.value.rank == 1
     assert time.monotonic() - t0 < 60
     assert set(_children()) - before == set()
+    # It says where the hung rank was: its threads' stacks, the planted sleep among them.
+    stacks = Path(err.value.stacks)
+    assert str(stacks) in str(err.value)
+    assert "_run_rank" in stacks.read_text()
+    shutil.rmtree(stacks.parent)
 
 
 def test_two_runs_at_once_do_not_collide():
