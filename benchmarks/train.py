@@ -19,6 +19,9 @@ interleave the four loops) and its last loss (all four must agree). Two models: 
 (hidden 64), whose CPU step is mostly per-op overhead, and llama-small (hidden 256), whose step
 is mostly arithmetic.
 
+``--phases`` adds each loop's step by phase (inputs, model, backward, clip, optimizer, zero_grad),
+wall and CPU: where shardwise's step and PyTorch's part ways.
+
 Memory: ``parallelize`` of ``--mem-model`` (default llama3-8b with 4 layers, bf16) built on meta
 over 4 ranks with the fsdp plan, then ``init_weights``: each rank's peak RSS next to the model's
 size (no rank ever holds the whole model).

@@ -204,10 +204,12 @@ class _Step(torch.autograd.Function):
     Where ``loss.backward()`` accumulates into a parameter that has no gradient hooks, the
     gradient is put in its ``.grad`` here (added, if one is there), as DDP's reducer and FSDP2's
     post-backward do, instead of going back through autograd: the engine's per-parameter work
-    (validating the gradient, DTensor's dispatch of ``detach``, AccumulateGrad) cost ~0.5 ms a
-    step on llama-tiny's 39 parameters (``benchmarks/train.py --phases``). Under
-    ``torch.autograd.grad``, for a parameter ``backward(inputs=...)`` leaves out, and for one
-    with tensor or post-accumulate-grad hooks, the gradient goes through autograd as before."""
+    (validating the gradient, DTensor's dispatch of ``detach``, AccumulateGrad) took the
+    backward from 0.48 to 0.73 ms a step on llama-tiny's 39 parameters (``benchmarks/train.py
+    --phases``). Under ``torch.autograd.grad``, with ``create_graph``, for a parameter
+    ``backward(inputs=...)`` leaves out, and for one with tensor or post-accumulate-grad hooks,
+    the gradient goes through autograd as before. (Hooks put on a parameter's AccumulateGrad
+    node itself are not seen: PyTorch offers no way to ask for them.)"""
 
     @staticmethod
     def forward(ctx, runner: _Program, inputs: tuple[torch.Tensor, ...], *params: DTensor) -> torch.Tensor:
