@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="optimizer whose state counts in training memory: adam (default), adamw, "
                         "sgd-momentum or sgd")
     p.add_argument("--time-limit", type=float, default=180.0, help="solver time limit in seconds")
+    p.add_argument("--gap", type=float, default=None,
+                   help="stop at a plan within this relative gap of the solver's bound, e.g. 0.01 "
+                        "(default: the optimum, within --time-limit)")
     p.add_argument("--save", default=None, help="write the plan as JSON to this path")
     p.add_argument("--save-all", default=None, metavar="DIR",
                    help="write the auto plan and every hand plan that applies as DIR/NAME.json")
@@ -136,6 +139,8 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     get_hardware(args.hardware)  # fail early on an unknown spec
     if not args.time_limit > 0:
         raise UserError(f"--time-limit must be a positive number of seconds, got {args.time_limit:g}.")
+    if args.gap is not None and not 0.0 <= args.gap < 1.0:
+        raise UserError(f"--gap is a relative gap in [0, 1), e.g. 0.01 for 1%; got {args.gap:g}.")
     if args.optimizer not in OPTIMIZER_STATE_BYTES:
         raise UserError(f"unknown optimizer {args.optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}.")
     budget = parse_bytes(args.memory) if args.memory else None
@@ -154,6 +159,8 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     memory = MemoryModel(optimizer_state_bytes=OPTIMIZER_STATE_BYTES[args.optimizer])
     options = {"memory_budget": budget, "clustering": not args.no_cluster, "time_limit_s": args.time_limit,
                "memory": memory}
+    if args.gap is not None:
+        options["rel_gap"] = args.gap
     if args.no_baselines:
         plan, hand = plan_with_baselines(traced, mesh, baselines=(), constraints=constraints, on_phase=say,
                                          step_options=opts, **options)

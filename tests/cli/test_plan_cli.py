@@ -43,6 +43,13 @@ def test_json_report_with_baselines_and_saved_plan(capsys, tmp_path):
     assert {k: [str(p) for p in v] for k, v in out["params"].items()}.keys() == plan.params.keys()
 
 
+def test_a_gap_lets_the_solver_stop_within_it(capsys):
+    assert main(["plan", *TINY, "--mesh", "2", "--json", "--no-baselines", "--gap", "0.2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] in ("optimal", "feasible")
+    assert out["bound_s"] <= out["objective_s"] and out["mip_gap"] <= 0.2
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_progress_on_a_terminal_but_never_with_json(capsys, monkeypatch, as_json):
     monkeypatch.setattr("sys.stderr.isatty", lambda: True)
@@ -86,6 +93,8 @@ def test_the_optimizer_state_counts_in_memory(capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--mesh", "2", "--optimizer", "lion"], "unknown optimizer 'lion'"),
     (["--mesh", "2", "--time-limit", "-1"], "--time-limit must be a positive number of seconds, got -1"),
+    (["--mesh", "2", "--gap", "1.5"], "--gap is a relative gap in [0, 1)"),
+    (["--mesh", "2", "--gap", "-0.1"], "--gap is a relative gap in [0, 1)"),
     (["--mesh", "2", "--time-limit", "1e-9", "--no-baselines"], "no plan within its 1e-09 s time limit"),
     (["--mesh", "2", "--inference", "--constrain", "output:3=R"], "1 output(s)"),
     (["--mesh", "2", "--inference", "--constrain", "output:x=R"], "names no output"),

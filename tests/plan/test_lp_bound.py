@@ -54,13 +54,21 @@ def test_under_a_tight_budget_the_lp_bound_solve_is_exact(tiny, times_floor):
     assert by_bound.objective_s == pytest.approx(whole.objective_s, rel=REL)
 
 
-def test_a_loose_gap_stops_within_it(tiny):
+def test_a_loose_gap_stops_within_it(tiny, monkeypatch):
     problem, mesh = tiny
     whole = _solve(problem, default_budget(mesh), pricing=False)
+    tolerances = []
+    lp_bound = solver._lp_bound
+    monkeypatch.setattr(solver, "_lp_bound", lambda *a, **kw: tolerances.append(a[3:]) or lp_bound(*a, **kw))
     early = _solve(problem, default_budget(mesh), rel_gap=LOOSE_GAP)
+    assert tolerances[0] == (solver.LOOSE_IPM_TOLERANCE,)  # a loose gap: a loose interior point
     assert early.objective_s >= whole.objective_s * (1 - REL)
     assert early.bound_s <= whole.objective_s * (1 + REL)
     assert early.objective_s - early.bound_s <= LOOSE_GAP * early.objective_s
+    tolerances.clear()
+    exact = _solve(problem, default_budget(mesh))
+    assert tolerances == [()]  # to the optimum: HiGHS's own tolerance
+    assert exact.objective_s == pytest.approx(whole.objective_s, rel=REL)
 
 
 def test_the_lp_bound_holds_for_any_duals():
@@ -69,8 +77,9 @@ def test_the_lp_bound_holds_for_any_duals():
     m = solver.Model()
     a, b = m.var(1.0), m.var(2.0)
     m.row(1.0, 1.0, {a: 1.0, b: 1.0})
-    got = solver._lp_bound(m, 1.0, TIME_LIMIT_S)
-    assert got is not None and got.bound <= 1.0 + 1e-9 and got.bound == pytest.approx(1.0, abs=1e-4)
+    for tolerance in (None, solver.LOOSE_IPM_TOLERANCE):
+        got = solver._lp_bound(m, 1.0, TIME_LIMIT_S, tolerance)
+        assert got is not None and got.bound <= 1.0 + 1e-9 and got.bound == pytest.approx(1.0, abs=1e-4)
     done = solver.solve_by_lp_bound(m, 1.0, TIME_LIMIT_S, None)
     assert done.status == "optimal" and np.round(done.solution).tolist() == [1.0, 0.0]
 
