@@ -88,8 +88,9 @@ pricings by the schedule (60 s). What changed:
 
 Then (``--modes warm --gap 0.01``, a quiet 2-core machine): the interior point to 1e-5 where a
 gap of at least 0.1% is asked (``solver.LOOSE_IPM_TOLERANCE``; ``shardwise plan --gap``) and
-``tensor_args`` without pytree: 2 layers 17.4 -> 14.7 s, 32 layers 21.3 -> 20.4 s, the same plans
-and gaps (0.83%, 0.38%); 7.0 s of the 32 layers' are the hand plans and the budget fit.
+``tensor_args`` without pytree, and one ``PlannerCosts`` (its caches) for all of a
+``plan_with_baselines``' plans: 2 layers 17.4 -> 14.4 s, 32 layers 21.3 -> 18.4 s, the same plans
+and gaps (0.83%, 0.38%); 5.5 s of the 32 layers' are the hand plans and the budget fit.
 
 Still missed: 2 layers <= 5 s and 32 layers within 1% <= 15 s (the interior-point LP alone
 is 11-15 s of one core: the model itself has to shrink); 70B <= 30 s within 1% (the LP bound

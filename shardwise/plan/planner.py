@@ -68,6 +68,10 @@ def default_budget(mesh: Mesh) -> float:
     return get_hardware(mesh.hardware).mem_capacity * (1.0 - MEMORY_RESERVE_FRACTION)
 
 
+# ``strategy_cache``'s key for the planner costs its calls share.
+_COSTS = "costs"
+
+
 def make_plan(
     traced: Traced,
     mesh: Mesh,
@@ -94,7 +98,7 @@ def make_plan(
     of the serial sum of every kernel and collective (None). ``rel_gap``: the solver may stop at
     a plan within this relative gap of its bound (the default: the optimum). ``strategy_cache``:
     a dict shared by calls on the same ``traced`` and ``mesh`` (``plan_with_baselines``) that
-    keeps each baseline's clustering and strategies for the next call."""
+    keeps each baseline's clustering and strategies, and the planner costs, for the next call."""
     say = on_phase or (lambda _phase: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -121,7 +125,12 @@ def make_plan(
         clus, kept = built
         ns = {n: replace(st) for n, st in kept.items()} if strategy_cache is not None else kept
 
-    costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
+    # The costs' caches (per node and placement) hold for every plan of this graph and mesh.
+    costs = strategy_cache.get(_COSTS) if strategy_cache is not None else None
+    if costs is None:
+        costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
+        if strategy_cache is not None:
+            strategy_cache[_COSTS] = costs
     say(f"solving the placement ILP (limit {time_limit_s:g} s)")
     points = _points(traced, ns, clus, start_from, budget)
     linearised = checkpointing = None
