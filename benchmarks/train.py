@@ -89,6 +89,11 @@ def _build(args):
     return module, spec
 
 
+def _now() -> tuple[float, float]:
+    """Wall seconds and this thread's CPU seconds."""
+    return time.perf_counter(), time.thread_time()
+
+
 def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) -> None:
     from shardwise.train.data import SyntheticSource, global_batch
 
@@ -134,19 +139,19 @@ def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) ->
     phases: dict[str, list[tuple[float, float]]] = {name: [] for name in PHASES}
     for step in range(args.warmup + args.steps):
         dist.barrier()
-        marks = [(time.perf_counter(), time.thread_time())]
+        marks = [_now()]
         inputs = step_inputs(step)
-        marks.append((time.perf_counter(), time.thread_time()))
+        marks.append(_now())
         loss = model(*inputs)
-        marks.append((time.perf_counter(), time.thread_time()))
+        marks.append(_now())
         loss.backward()
-        marks.append((time.perf_counter(), time.thread_time()))
+        marks.append(_now())
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        marks.append((time.perf_counter(), time.thread_time()))
+        marks.append(_now())
         opt.step()
-        marks.append((time.perf_counter(), time.thread_time()))
+        marks.append(_now())
         opt.zero_grad()
-        marks.append((time.perf_counter(), time.thread_time()))
+        marks.append(_now())
         times.append(marks[-1][0] - marks[0][0])
         if step >= args.warmup:
             for name, (w0, c0), (w1, c1) in zip(PHASES, marks[:-1], marks[1:], strict=True):

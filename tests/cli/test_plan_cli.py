@@ -43,8 +43,15 @@ def test_json_report_with_baselines_and_saved_plan(capsys, tmp_path):
     assert {k: [str(p) for p in v] for k, v in out["params"].items()}.keys() == plan.params.keys()
 
 
-def test_a_gap_lets_the_solver_stop_within_it(capsys):
+def test_a_gap_lets_the_solver_stop_within_it(capsys, monkeypatch):
+    import shardwise.plan.objective as objective
+
+    gaps = []
+    solve = objective.solve_by_lp_bound
+    monkeypatch.setattr(objective, "solve_by_lp_bound",
+                        lambda *a, **kw: gaps.append(a[-1]) or solve(*a, **kw))
     assert main(["plan", *TINY, "--mesh", "2", "--json", "--no-baselines", "--gap", "0.2"]) == 0
+    assert gaps and set(gaps) == {0.2}  # the gap reaches every solve
     out = json.loads(capsys.readouterr().out)
     assert out["status"] in ("optimal", "feasible")
     assert out["bound_s"] <= out["objective_s"] and out["mip_gap"] <= 0.2
