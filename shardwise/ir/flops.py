@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import (
     flop_registry,
     register_flop_formula,
     sdpa_backward_flop_count,
     sdpa_flop_count,
 )
+
+from shardwise.ir.meta import arg_values, flat_tensors
 
 aten = torch.ops.aten
 
@@ -84,10 +85,6 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _val(a):
-    return a.meta.get("val") if isinstance(a, fx.Node) else a
-
-
 def is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in VIEW_OPS
 
@@ -99,7 +96,7 @@ def node_flops(node: fx.Node) -> int:
     formula = flop_registry.get(node.target.overloadpacket)
     if formula is None:
         return 0
-    args, kwargs = tree_map(_val, (node.args, node.kwargs))
+    args, kwargs = arg_values(node)
     return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
 
 
@@ -107,10 +104,8 @@ def node_cost(node: fx.Node) -> NodeCost:
     """FLOPs and bytes of a node on the shapes in its fake values."""
     if node.op != "call_function" or is_view(node) or node.target is operator.getitem:
         return NodeCost(0, 0, 0)
-    reads = sum(tensor_bytes(v) for v in tree_flatten(tree_map(_val, (node.args, node.kwargs)))[0]
-                if isinstance(v, torch.Tensor))
-    writes = sum(tensor_bytes(v) for v in tree_flatten(node.meta.get("val"))[0]
-                 if isinstance(v, torch.Tensor))
+    reads = sum(tensor_bytes(v) for v in flat_tensors(arg_values(node)))
+    writes = sum(tensor_bytes(v) for v in flat_tensors(node.meta.get("val")))
     return NodeCost(node_flops(node), reads, writes)
 
 

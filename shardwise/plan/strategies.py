@@ -31,6 +31,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
+from shardwise.ir.meta import flat_tensors
 from shardwise.plan.placement import Placements, on_mesh
 from shardwise.plan.plan import tensor_args
 
@@ -539,4 +540,4 @@ def _ask(node: fx.Node, choices: dict[fx.Node, list[Placements]], mesh: DeviceMe
 
 
 def flat_tensor_vals(node: fx.Node) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(node.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
+    return flat_tensors(node.meta.get("val"))

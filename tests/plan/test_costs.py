@@ -3,6 +3,8 @@ priced each by its own work, whatever order they are asked in."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -70,3 +72,34 @@ def test_tensor_args_are_pytrees_flattening_of_every_node(tiny_two_layers):
         v.meta["val"] = torch.empty(2)
     n = g.call_function(torch.ops.aten.cat.default, ([x, (y, x)],), {"out": [y], "dim": 0})
     assert tensor_args(n) == by_pytree(n) == [x, y, x, y]
+
+
+def test_node_costs_hand_walk_matches_pytrees_on_a_whole_step(tiny_two_layers):
+    """Bytes and FLOPs read off a node's arguments by the hand walk (``ir.meta.flat_tensors``,
+    ``arg_values``) are what pytree's map and flatten give, on every node of a training step."""
+    from torch.utils._pytree import tree_flatten, tree_map
+    from torch.utils.flop_counter import flop_registry
+
+    from shardwise.ir.flops import NodeCost, is_view, node_cost, tensor_bytes
+    from shardwise.ir.meta import arg_values, flat_tensors
+
+    def val(a):
+        return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+    def by_pytree(n: fx.Node) -> NodeCost:
+        if n.op != "call_function" or is_view(n) or n.target is operator.getitem:
+            return NodeCost(0, 0, 0)
+        args, kwargs = tree_map(val, (n.args, n.kwargs))
+        formula = flop_registry.get(getattr(n.target, "overloadpacket", None))
+        flops = int(formula(*args, **kwargs, out_val=n.meta.get("val"))) if formula else 0
+        tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+        outs = [v for v in tree_flatten(n.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
+        return NodeCost(flops, sum(map(tensor_bytes, tensors)), sum(map(tensor_bytes, outs)))
+
+    nodes = list(tiny_two_layers.gm.graph.nodes)
+    assert any(isinstance(n.meta.get("val"), tuple) for n in nodes)  # attention's several outputs
+    for n in nodes:
+        assert node_cost(n) == by_pytree(n), n.format_node()
+        flat = [v for v in tree_flatten(tree_map(val, (n.args, n.kwargs)))[0] if isinstance(v, torch.Tensor)]
+        assert [id(t) for t in flat_tensors(arg_values(n))] == [id(v) for v in flat]
+    assert sum(node_cost(n).flops for n in nodes) > 0

@@ -17,10 +17,10 @@ from collections.abc import Iterable
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten
 
 import shardwise.ir.ops  # noqa: F401  (registers torch.ops.shardwise.*)
 from shardwise.ir.flops import VIEW_OPS
+from shardwise.ir.meta import flat_tensors
 
 aten = torch.ops.aten
 C10D_NAMESPACE = "_c10d_functional"
@@ -170,7 +170,7 @@ def is_degenerate_reduce(node: fx.Node) -> bool:
 
 
 def tensors(val: object) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(val)[0] if isinstance(v, torch.Tensor)]
+    return flat_tensors(val)
 
 
 def value_bytes(node: fx.Node) -> int:
