@@ -37,24 +37,28 @@ def copy_meta(dst: fx.Node, src: fx.Node, *, seq_nr_from: fx.Node | None = None)
         dst.meta[SEQ_NR] = seq_nr_from.meta[SEQ_NR]
 
 
-def flat_tensors(obj: object) -> list[torch.Tensor]:
-    """The tensors in ``obj`` (a value, or arguments nesting lists, tuples and dicts) in pytree's
-    flattened order, walked by hand: planning asks this ~10^5 times a plan, where pytree's
-    ``tree_flatten`` took seconds."""
-    out: list[torch.Tensor] = []
-    _walk_tensors(obj, out)
+def flat_leaves(obj: object, kind: type) -> list:
+    """The ``kind`` instances in ``obj`` (a value, or arguments nesting lists, tuples and dicts) in
+    pytree's flattened order, walked by hand: planning asks this ~10^5 times a plan, where
+    pytree's ``tree_flatten`` took seconds."""
+    out: list = []
+    _walk(obj, kind, out)
     return out
 
 
-def _walk_tensors(obj: object, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
+def flat_tensors(obj: object) -> list[torch.Tensor]:
+    return flat_leaves(obj, torch.Tensor)
+
+
+def _walk(obj: object, kind: type, out: list) -> None:
+    if isinstance(obj, kind):
         out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for a in obj:
-            _walk_tensors(a, out)
+            _walk(a, kind, out)
     elif isinstance(obj, dict):
         for a in obj.values():
-            _walk_tensors(a, out)
+            _walk(a, kind, out)
 
 
 def arg_values(node: fx.Node) -> tuple[tuple, dict]:

@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from shardwise.errors import UserError
+from shardwise.ir.meta import flat_leaves
 from shardwise.passes.remat import ACPolicy, LayerPolicies
 from shardwise.plan.placement import Placements, parse_placements, placements_str
 
@@ -32,24 +33,9 @@ PLAN_FORMAT_VERSION = 1
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
-    """The tensor-valued argument nodes of ``node`` in flattened (args, kwargs) order (pytree's,
-    walked by hand: an fx node's arguments nest only lists, tuples and dicts, and the planner asks
-    this ~10^5 times a plan, where ``tree_flatten`` took seconds)."""
-    flat: list[fx.Node] = []
-    _arg_nodes(node.args, flat)
-    _arg_nodes(node.kwargs, flat)
-    return [a for a in flat if isinstance(a.meta.get("val"), torch.Tensor)]
-
-
-def _arg_nodes(arg: object, out: list[fx.Node]) -> None:
-    if isinstance(arg, fx.Node):
-        out.append(arg)
-    elif isinstance(arg, (list, tuple)):
-        for a in arg:
-            _arg_nodes(a, out)
-    elif isinstance(arg, dict):
-        for a in arg.values():
-            _arg_nodes(a, out)
+    """The tensor-valued argument nodes of ``node`` in flattened (args, kwargs) order."""
+    nodes = flat_leaves((node.args, node.kwargs), fx.Node)
+    return [a for a in nodes if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:
