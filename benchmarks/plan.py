@@ -147,7 +147,7 @@ def measure_one(model: str, layers: int, batch: int, seq: int, mode: str, time_l
 
         import shardwise.plan.planner as planner
 
-        planner.solve = functools.partial(planner.solve, pricing=False)
+        planner.solve_built = functools.partial(planner.solve_built, pricing=False)
     gap = {} if rel_gap is None else {"rel_gap": rel_gap}
     if mode == "warm":
         plan, _ = plan_with_baselines(traced, mesh, time_limit_s=time_limit_s, **gap)

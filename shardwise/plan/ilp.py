@@ -73,7 +73,15 @@ from shardwise.plan.cluster import Clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.placement import Placements
 from shardwise.plan.plan import tensor_args
-from shardwise.plan.solver import MIP_REL_GAP, Model, complete, solve_model, violated_rows
+from shardwise.plan.solver import (
+    MIP_REL_GAP,
+    LpRun,
+    Model,
+    complete,
+    solve_model,
+    start_lp_bound,
+    violated_rows,
+)
 from shardwise.plan.strategies import NodeStrategies, Strategy, intern
 
 if TYPE_CHECKING:
@@ -202,6 +210,28 @@ def _strategy_vars(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[lis
     return [supply[s.inputs[0]] for s in st.strategies]
 
 
+@dataclass
+class IlpModel:
+    """The placement ILP built (``build``), to be solved from any start points (``solve_built``)."""
+
+    m: _Model
+    xs: dict[fx.Node, list[list[int]]]  # x[r, s] of each representative, as sums of columns
+    deciding: dict[fx.Node, list[int]]  # the one-hot columns of each deciding representative
+    one: int  # the column fixed at 1
+    schedule: ScheduleObjective | None
+    checkpointing: CheckpointingModel | None
+    mem_terms: dict[int, float] | None  # the memory row's coefficients (None without a budget)
+    min_mem: int | None
+    build_s: float
+    lp_ahead: LpRun | None = None  # its LP relaxation, started by ``start_lp``
+
+    def start_lp(self, time_limit_s: float, rel_gap: float = MIP_REL_GAP) -> None:
+        """Start the LP relaxation that the schedule objective's solve begins with, in a
+        background thread, so that the caller's next work overlaps it (``solver.LpRun``)."""
+        if self.schedule is not None:
+            self.lp_ahead = start_lp_bound(self.m, OBJECTIVE_UNIT_S, time_limit_s, rel_gap)
+
+
 def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
           *, memory_budget: float | None = None, memory: MemoryModel | None = None,
           time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None,
@@ -209,17 +239,20 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
           start_ac: ACChoice | None = None,
           more_starts: Sequence[tuple[dict[fx.Node, int], ACChoice | None]] = (),
           pricing: bool = True, rel_gap: float = MIP_REL_GAP) -> IlpResult:
-    """Solve the placement ILP. ``start`` (deciding representative -> strategy index, e.g. a
-    hand plan's choices) is handed to HiGHS as its first incumbent: the solver completes the
-    continuous edge variables and, if the point is feasible, never returns anything worse, so
-    a time limit costs only optimality. ``schedule``: the schedule objective
-    (``plan/objective.py``) in place of the serial sum. ``checkpointing``: activation
-    checkpointing decided per cluster of layers (``plan/checkpointing.py``); ``start_ac`` the
-    start point's. ``more_starts``: other (choice, activation checkpointing) points; the cheapest
-    of them and ``start`` that breaks no row is the solver's start (``IlpResult.start_index``).
-    ``pricing=False``: HiGHS gets the whole model at once (``solver.py``).
-    ``rel_gap``: the solver may stop at a plan within this relative gap of its bound (the
-    default: the optimum)."""
+    """Build the placement ILP and solve it (``build``, then ``solve_built``)."""
+    model = build(traced, ns, clus, costs, memory_budget=memory_budget, memory=memory, schedule=schedule,
+                  checkpointing=checkpointing)
+    return solve_built(model, time_limit_s=time_limit_s, start=start, start_ac=start_ac,
+                       more_starts=more_starts, pricing=pricing, rel_gap=rel_gap)
+
+
+def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, costs: PlannerCosts,
+          *, memory_budget: float | None = None, memory: MemoryModel | None = None,
+          schedule: ScheduleObjective | None = None,
+          checkpointing: CheckpointingModel | None = None) -> IlpModel:
+    """The placement ILP of the representatives' strategies ``ns``. ``schedule``: the schedule
+    objective (``plan/objective.py``) in place of the serial sum. ``checkpointing``: activation
+    checkpointing decided per cluster of layers (``plan/checkpointing.py``)."""
     t0 = time.perf_counter()
     memory = memory or MemoryModel()
     m = _Model(objective=schedule)
@@ -303,7 +336,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         # A rounded point's spread columns follow from its counts and its x: the counts as
         # whole numbers, then filled as a start point's are.
         m.fill = lambda val: checkpointing.complete(val, checkpointing.choice(val))
-    min_mem = None
+    mem_terms, min_mem = None, None
     if memory_budget is not None:
         mem_terms, min_mem = _memory_terms(traced, ns, xs, clus, costs, memory)
         for v, b in ck_mem.items():
@@ -316,6 +349,25 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         schedule.finish(m, OBJECTIVE_UNIT_S)
 
     build_s = time.perf_counter() - t0
+    return IlpModel(m, xs, deciding, one, schedule, checkpointing, mem_terms, min_mem, build_s)
+
+
+def solve_built(model: IlpModel, *, time_limit_s: float = 60.0, start: dict[fx.Node, int] | None = None,
+                start_ac: ACChoice | None = None,
+                more_starts: Sequence[tuple[dict[fx.Node, int], ACChoice | None]] = (),
+                pricing: bool = True, rel_gap: float = MIP_REL_GAP) -> IlpResult:
+    """Solve a built placement ILP. ``start`` (deciding representative -> strategy index, e.g. a
+    hand plan's choices) is handed to HiGHS as its first incumbent: the solver completes the
+    continuous edge variables and, if the point is feasible, never returns anything worse, so
+    a time limit costs only optimality. ``start_ac``: the start point's activation
+    checkpointing. ``more_starts``: other (choice, activation checkpointing) points; the cheapest
+    of them and ``start`` that breaks no row is the solver's start (``IlpResult.start_index``).
+    ``pricing=False``: HiGHS gets the whole model at once (``solver.py``). ``rel_gap``: the
+    solver may stop at a plan within this relative gap of its bound (the default: the
+    optimum)."""
+    m, deciding, one, schedule, checkpointing = (model.m, model.deciding, model.one, model.schedule,
+                                                 model.checkpointing)
+    mem_terms, min_mem, build_s = model.mem_terms, model.min_mem, model.build_s
     t1 = time.perf_counter()
     start_val, start_s, start_index = None, None, None
     candidates = [(start, start_ac)] if start is not None else []
@@ -335,7 +387,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     if schedule is None:
         got = solve_model(m, OBJECTIVE_UNIT_S, time_limit_s, start_val, pricing=pricing, rel_gap=rel_gap)
     else:
-        got = schedule.solve(m, OBJECTIVE_UNIT_S, time_limit_s, start_val, pricing=pricing, rel_gap=rel_gap)
+        got = schedule.solve(m, OBJECTIVE_UNIT_S, time_limit_s, start_val, pricing=pricing, rel_gap=rel_gap,
+                             ahead=model.lp_ahead if pricing else None)
     solve_s = time.perf_counter() - t1
     nv, nr = len(m.cost), len(m.row_lb)
     stats = {"pricing_rounds": got.pricing_rounds, "priced_in": got.priced_in, "columns_solved": got.columns,
@@ -345,8 +398,8 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
                          bound_s=_bound_s(got.bound), start_s=start_s, stats=stats, start_index=start_index,
                          bound_any_budget_s=_bound_s(got.bound_any_budget))
     sol = got.solution
-    mem_at = sum(b * float(sol[v]) for v, b in mem_terms.items()) if memory_budget is not None else None
-    choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in xs.items()}
+    mem_at = sum(b * float(sol[v]) for v, b in mem_terms.items()) if mem_terms is not None else None
+    choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in model.xs.items()}
     objective = got.objective * OBJECTIVE_UNIT_S
     bound = min(_bound_s(got.bound), objective)
     any_budget = min(_bound_s(got.bound_any_budget), bound)
@@ -356,7 +409,7 @@ def solve(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
                      start_s=start_s, stats=stats,
                      ac=checkpointing.choice(sol) if checkpointing is not None else None,
                      memory_bytes=mem_at, start_index=start_index,
-                     bound_any_budget_s=bound if memory_budget is None else any_budget)
+                     bound_any_budget_s=bound if mem_terms is None else any_budget)
 
 
 def _bound_s(dual_bound: float) -> float:

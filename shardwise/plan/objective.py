@@ -96,7 +96,7 @@ from shardwise.ir.trace import Phase, Traced
 from shardwise.passes.remat import ACPolicy, recompute_plan
 from shardwise.plan.cluster import HEAD, TAIL, Clustering, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
-from shardwise.plan.solver import MIP_REL_GAP, Solved, complete, solve_by_lp_bound, solve_model
+from shardwise.plan.solver import MIP_REL_GAP, LpRun, Solved, complete, solve_by_lp_bound, solve_model
 from shardwise.plan.strategies import NodeStrategies
 
 # The ILP's edge argument indices of the sinks (``ilp.GRAD_SINK``, ``ilp.LOSS_SINK``; not
@@ -310,12 +310,12 @@ class ScheduleObjective:
         return float(serial + sum(max(crit, hid) for crit, hid in self._loads(val).values()))
 
     def solve(self, m, unit_s: float, time_limit_s: float, start: np.ndarray | None,
-              pricing: bool = True, rel_gap: float = MIP_REL_GAP) -> Solved:
+              pricing: bool = True, rel_gap: float = MIP_REL_GAP, ahead: LpRun | None = None) -> Solved:
         """Solve the model ``m`` (``finish``ed) from its interior-point LP bound
-        (``solver.solve_by_lp_bound``) to within ``rel_gap`` of the optimum; ``pricing=False``:
-        HiGHS's MIP on the whole model."""
+        (``solver.solve_by_lp_bound``; ``ahead``: that LP already started) to within ``rel_gap``
+        of the optimum; ``pricing=False``: HiGHS's MIP on the whole model."""
         if pricing:
-            got = solve_by_lp_bound(m, unit_s, time_limit_s, start, rel_gap)
+            got = solve_by_lp_bound(m, unit_s, time_limit_s, start, rel_gap, ahead)
         else:
             got = solve_model(m, unit_s, time_limit_s, start, pricing=False, rel_gap=rel_gap)
         log.debug("schedule objective: %s, %d of %d columns left to the MIP", got.status, got.columns,

@@ -29,7 +29,16 @@ from shardwise.passes.remat import ACPolicy
 from shardwise.plan.baselines import BASELINES, BaselineSpec, baseline_spec, node_filter, tensor_parallel_uses
 from shardwise.plan.cluster import Clustering, cluster, no_clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
-from shardwise.plan.ilp import GRAD_SINK, LOSS_SINK, IlpResult, MemoryModel, chosen_strategy, solve
+from shardwise.plan.ilp import (
+    GRAD_SINK,
+    LOSS_SINK,
+    IlpModel,
+    IlpResult,
+    MemoryModel,
+    build,
+    chosen_strategy,
+    solve_built,
+)
 from shardwise.plan.placement import Placements, on_mesh, placements_str
 from shardwise.plan.plan import (
     ACChoice,
@@ -99,6 +108,49 @@ def make_plan(
     a plan within this relative gap of its bound (the default: the optimum). ``strategy_cache``:
     a dict shared by calls on the same ``traced`` and ``mesh`` (``plan_with_baselines``) that
     keeps each baseline's clustering and strategies, and the planner costs, for the next call."""
+    prepared = prepare_plan(traced, mesh, baseline=baseline, memory_budget=memory_budget,
+                            constraints=constraints, clustering=clustering, time_limit_s=time_limit_s,
+                            memory=memory, on_phase=on_phase, step_options=step_options, rel_gap=rel_gap,
+                            strategy_cache=strategy_cache)
+    return None if prepared is None else prepared.finish(start_from)
+
+
+@dataclass
+class PreparedPlan:
+    """A plan's ILP built (``prepare_plan``), to be solved from the hand plans (``finish``)."""
+
+    traced: Traced
+    mesh: Mesh
+    baseline: str | None
+    budget: float
+    clus: Clustering
+    ns: dict[fx.Node, NodeStrategies]
+    costs: PlannerCosts
+    memory: MemoryModel | None
+    model: IlpModel
+    time_limit_s: float
+    rel_gap: float
+    timings: dict[str, float]
+    prepare_s: float  # seconds ``prepare_plan`` took
+    say: Callable[[str], None]
+
+    def start_lp(self) -> None:
+        """Start the ILP's LP relaxation now, in a background thread: the caller's work until
+        ``finish`` (pricing the hand plans) runs on another core meanwhile."""
+        self.model.start_lp(self.time_limit_s, self.rel_gap)
+
+    def finish(self, start_from: Sequence[Plan] = ()) -> Plan:
+        """Solve the ILP from the cheapest of ``start_from`` that is a point of it (``make_plan``)."""
+        return _finish(self, start_from)
+
+
+def prepare_plan(traced: Traced, mesh: Mesh, *, baseline: str | None = None,
+                 memory_budget: float | None = None, constraints: Constraints | None = None,
+                 clustering: bool = True, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+                 memory: MemoryModel | None = None, on_phase: Callable[[str], None] | None = None,
+                 step_options: dict | None = None, rel_gap: float = MIP_REL_GAP,
+                 strategy_cache: dict | None = None) -> PreparedPlan | None:
+    """``make_plan`` up to its ILP built, not solved (None where ``baseline`` does not apply)."""
     say = on_phase or (lambda _phase: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -131,8 +183,7 @@ def make_plan(
         costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
         if strategy_cache is not None:
             strategy_cache[_COSTS] = costs
-    say(f"solving the placement ILP (limit {time_limit_s:g} s)")
-    points = _points(traced, ns, clus, start_from, budget)
+    say("building the placement ILP")
     linearised = checkpointing = None
     if step_options is not None and traced.train:
         from shardwise.cost.step import torchtitan_options
@@ -148,6 +199,19 @@ def make_plan(
                                                compile=bool(step_options.get("compile")))
         linearised = ScheduleObjective(traced, clus, costs,
                                        torchtitan_options(traced, **{**step_options, "ac": ACPolicy.NONE}))
+    model = build(traced, ns, clus, costs, memory_budget=budget, memory=memory, schedule=linearised,
+                  checkpointing=checkpointing)
+    return PreparedPlan(traced, mesh, baseline, budget, clus, ns, costs, memory, model, time_limit_s, rel_gap,
+                        timings, time.perf_counter() - t0, say)
+
+
+def _finish(prep: PreparedPlan, start_from: Sequence[Plan]) -> Plan:
+    t0 = time.perf_counter() - prep.prepare_s  # the plan's own time: the caller's in between is not
+    traced, mesh, baseline, budget = prep.traced, prep.mesh, prep.baseline, prep.budget
+    clus, ns, costs, memory = prep.clus, prep.ns, prep.costs, prep.memory
+    timings, time_limit_s, checkpointing = prep.timings, prep.time_limit_s, prep.model.checkpointing
+    prep.say(f"solving the placement ILP (limit {time_limit_s:g} s)")
+    points = _points(traced, ns, clus, start_from, budget)
     starts = [_Start(choice, _objective_s(p), p.ac, p.name) for p, choice in points]
     if checkpointing is not None and checkpointing.fixed is None:
         # The ILP decides the checkpointing: a hand plan that does not fit as it runs may fit
@@ -155,10 +219,9 @@ def make_plan(
         starts += [_Start(choice, math.inf, ac, p.name)
                    for p, choice in _points(traced, ns, clus, start_from, math.inf)
                    for ac in _ac_variants(traced, p)]
-    res = solve(traced, ns, clus, costs, memory_budget=budget, memory=memory, time_limit_s=time_limit_s,
-                start=starts[0].choice if starts else None, schedule=linearised, rel_gap=rel_gap,
-                checkpointing=checkpointing, start_ac=starts[0].ac if starts else None,
-                more_starts=[(st.choice, st.ac) for st in starts[1:]])
+    res = solve_built(prep.model, time_limit_s=time_limit_s, start=starts[0].choice if starts else None,
+                      rel_gap=prep.rel_gap, start_ac=starts[0].ac if starts else None,
+                      more_starts=[(st.choice, st.ac) for st in starts[1:]])
     # The start the solver was given; where none was a point of its model, the cheapest hand
     # plan that fits (the solver's time may run out before it finds a plan of its own).
     start = starts[res.start_index] if res.start_index is not None else (starts[0] if points else None)
@@ -188,7 +251,7 @@ def make_plan(
     est = estimate(traced, plan, costs, memory).total_s
     if res.memory_bytes is not None and checkpointing is not None:
         plan.estimate.memory_bytes = int(res.memory_bytes)  # the saved bytes as the AC chosen holds them
-    objective_kind = "serial" if linearised is None else "schedule"
+    objective_kind = "serial" if prep.model.schedule is None else "schedule"
     objective = res.objective_s
     if objective_kind == "serial" and res.status != "optimal" and est < objective:
         # An incumbent cut short may carry slack in its continuous move variables (t >= ... is
@@ -263,12 +326,17 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
     decide = traced.train and step_options.get("ac") is None
     limit = _schedule_limit(mesh, options.get("memory_budget"))
     price = _Pricer(traced, mesh, step_options, limit)
+    # The auto ILP's LP relaxation does not depend on the hand plans (only its start point
+    # does): it runs on another core while they are priced.
+    prepared = prepare_plan(traced, mesh, constraints=constraints, on_phase=on_phase, **options)
+    assert prepared is not None  # only a baseline can fail to apply
+    prepared.start_lp()
     for name in baselines:
         say(f"pricing the {name} baseline")
         plans[name] = (_baseline_with_ac(traced, mesh, name, limit, options, price) if decide
                        else make_plan(traced, mesh, baseline=name, **options))
     starts = [b for b in plans.values() if b is not None and b.status not in NO_PLAN]
-    auto = make_plan(traced, mesh, constraints=constraints, on_phase=on_phase, start_from=starts, **options)
+    auto = prepared.finish(starts)
     if decide and auto.status not in NO_PLAN:
         say("fitting the activation checkpointing to the step's memory")
         auto = _fit_by_schedule(traced, mesh, auto, limit, constraints, starts, options, price)

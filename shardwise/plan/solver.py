@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -429,44 +430,76 @@ def _lp_bound(m: Model, unit: float, time_limit_s: float, tolerance: float | Non
     L(y) = sum_i y_i * (lo_i if y_i > 0 else hi_i) + sum_j min(rc_j * lb_j, rc_j * ub_j),
     rc = c - A'y (Lagrangian duality), with a move or block variable's upper bound the largest
     value its rows can force. None if the LP does not finish in time."""
-    lp = _highs_lp(m, unit)
-    lp.integrality_ = []
-    h = _highs(time_limit_s)
-    h.setOptionValue("solver", "ipm")
-    h.setOptionValue("run_crossover", "off")
-    if tolerance is not None:
-        h.setOptionValue("ipm_optimality_tolerance", tolerance)
-    h.passModel(lp)
-    h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None
-    y = np.asarray(h.getSolution().row_dual, dtype=np.float64).copy()
-    lo, hi = np.asarray(lp.row_lower_), np.asarray(lp.row_upper_)
-    y[(y > 0.0) & ~np.isfinite(lo)] = 0.0
-    y[(y < 0.0) & ~np.isfinite(hi)] = 0.0
-    row_of = np.repeat(np.arange(len(lo)), np.diff(np.array(m.starts + [len(m.index)])))
-    index, value = np.array(m.index, dtype=np.int64), np.array(m.value)
-    cost = np.asarray(lp.col_cost_)
-    reduced = cost - np.bincount(index, weights=value * y[row_of], minlength=len(cost))
-    lb, ub = np.array(m.lb), np.array(m.ub)
-    for t, rows in m.t_rows.items():  # t <= the largest sum its rows can force
-        ub[t] = max(sum(max(0.0, c) * ub[e] for e, c in terms.items()) for terms in rows)
-    rows_part = np.where(y > 0.0, y * np.where(np.isfinite(lo), lo, 0.0),
-                         y * np.where(np.isfinite(hi), hi, 0.0))
-    cols_part = np.where(reduced >= 0.0, reduced * lb, reduced * ub)
-    if not np.all(np.isfinite(cols_part)):
-        return None
-    bound = float(rows_part.sum() + cols_part.sum())
-    any_budget = bound
-    if m.memory_row is not None and y[m.memory_row] != 0.0:
-        # L(y) with the memory row's multiplier at 0 is as valid a bound, and its budget appears
-        # nowhere in it: a larger budget cannot make any plan cheaper than this.
-        at = m.memory_row
-        free = reduced.copy()
-        np.add.at(free, index[row_of == at], value[row_of == at] * y[at])
-        free_cols = np.where(free >= 0.0, free * lb, free * ub)
-        any_budget = float(rows_part.sum() - rows_part[at] + free_cols.sum())
-    return _LpBound(bound, np.asarray(h.getSolution().col_value), reduced, any_budget)
+    run = LpRun(m, unit, time_limit_s, tolerance, background=False)
+    return run.result()
+
+
+class LpRun:
+    """``_lp_bound`` of a model, optionally solved in a background thread: HiGHS leaves Python's
+    GIL while it runs, so the planner goes on (pricing the hand plans) on another core. The
+    model must not change until ``result``. HiGHS is set up here, in the caller's thread (its
+    banner is silenced on the process's stdout, which no other thread should see closed)."""
+
+    def __init__(self, m: Model, unit: float, time_limit_s: float, tolerance: float | None = None,
+                 *, background: bool = True) -> None:
+        self.m, self.unit, self.tolerance = m, unit, tolerance
+        self.lp = _highs_lp(m, unit)
+        self.lp.integrality_ = []
+        self.h = _highs(time_limit_s)
+        self.h.setOptionValue("solver", "ipm")
+        self.h.setOptionValue("run_crossover", "off")
+        if tolerance is not None:
+            self.h.setOptionValue("ipm_optimality_tolerance", tolerance)
+        self.h.passModel(self.lp)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True) if background else None
+        if self._thread is not None:
+            self._thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        try:
+            self.h.run()
+        except BaseException as e:  # handed to the caller by result()
+            self._error = e
+
+    def result(self) -> _LpBound | None:
+        """Waits for the LP; its bound, or None where it did not finish in time."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        h, lp, m = self.h, self.lp, self.m
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        y = np.asarray(h.getSolution().row_dual, dtype=np.float64).copy()
+        lo, hi = np.asarray(lp.row_lower_), np.asarray(lp.row_upper_)
+        y[(y > 0.0) & ~np.isfinite(lo)] = 0.0
+        y[(y < 0.0) & ~np.isfinite(hi)] = 0.0
+        row_of = np.repeat(np.arange(len(lo)), np.diff(np.array(m.starts + [len(m.index)])))
+        index, value = np.array(m.index, dtype=np.int64), np.array(m.value)
+        cost = np.asarray(lp.col_cost_)
+        reduced = cost - np.bincount(index, weights=value * y[row_of], minlength=len(cost))
+        lb, ub = np.array(m.lb), np.array(m.ub)
+        for t, rows in m.t_rows.items():  # t <= the largest sum its rows can force
+            ub[t] = max(sum(max(0.0, c) * ub[e] for e, c in terms.items()) for terms in rows)
+        rows_part = np.where(y > 0.0, y * np.where(np.isfinite(lo), lo, 0.0),
+                             y * np.where(np.isfinite(hi), hi, 0.0))
+        cols_part = np.where(reduced >= 0.0, reduced * lb, reduced * ub)
+        if not np.all(np.isfinite(cols_part)):
+            return None
+        bound = float(rows_part.sum() + cols_part.sum())
+        any_budget = bound
+        if m.memory_row is not None and y[m.memory_row] != 0.0:
+            # L(y) with the memory row's multiplier at 0 is as valid a bound, and its budget appears
+            # nowhere in it: a larger budget cannot make any plan cheaper than this.
+            at = m.memory_row
+            free = reduced.copy()
+            np.add.at(free, index[row_of == at], value[row_of == at] * y[at])
+            free_cols = np.where(free >= 0.0, free * lb, free * ub)
+            any_budget = float(rows_part.sum() - rows_part[at] + free_cols.sum())
+        return _LpBound(bound, np.asarray(h.getSolution().col_value), reduced, any_budget)
 
 
 def _mip(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None, upper: np.ndarray,
@@ -488,8 +521,14 @@ def _within(point: np.ndarray | None, cost: np.ndarray, bound: float, rel_gap: f
     return upper - bound <= rel_gap * upper
 
 
+def start_lp_bound(m: Model, unit: float, time_limit_s: float, rel_gap: float = MIP_REL_GAP) -> LpRun:
+    """``solve_by_lp_bound``'s first step, started now in a background thread (its ``ahead``)."""
+    tolerance = LOOSE_IPM_TOLERANCE if rel_gap >= LOOSE_GAP else None
+    return LpRun(m, unit, LP_BOUND_SHARE * time_limit_s, tolerance)
+
+
 def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None,
-                      rel_gap: float = MIP_REL_GAP) -> Solved:
+                      rel_gap: float = MIP_REL_GAP, ahead: LpRun | None = None) -> Solved:
     """Solve ``m`` exactly in four steps, for models whose LP is slow by simplex (the schedule
     objective's max rows) but whose LP optimum is nearly integral:
 
@@ -507,11 +546,16 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
 
     The optimum is the whole model's; the bound is the larger of LB and the last MIP's. It stops
     early where the incumbent is within ``rel_gap`` of LB (step 3), or HiGHS of its bound. If
-    the LP does not finish within LP_BOUND_SHARE of the time, the whole MIP gets the rest."""
+    the LP does not finish within LP_BOUND_SHARE of the time, the whole MIP gets the rest.
+    ``ahead``: step 1 already started on ``m`` (``start_lp_bound``), with its own time limit."""
     deadline = time.perf_counter() + time_limit_s
     ub = np.array(m.ub, dtype=np.float64)
     lp = None
-    if rel_gap >= LOOSE_GAP:
+    if ahead is not None:
+        if ahead.m is not m:
+            raise ValueError("the LP started ahead is another model's")
+        lp = ahead.result()
+    elif rel_gap >= LOOSE_GAP:
         lp = _lp_bound(m, unit, LP_BOUND_SHARE * time_limit_s, LOOSE_IPM_TOLERANCE)
     if lp is None:  # to the optimum, or the loose LP ended without an optimal status
         lp = _lp_bound(m, unit, LP_BOUND_SHARE * max(0.0, deadline - time.perf_counter()))

@@ -48,8 +48,12 @@ def test_a_gap_lets_the_solver_stop_within_it(capsys, monkeypatch):
 
     gaps = []
     solve = objective.solve_by_lp_bound
-    monkeypatch.setattr(objective, "solve_by_lp_bound",
-                        lambda *a, **kw: gaps.append(a[-1]) or solve(*a, **kw))
+
+    def spy(m, unit, time_limit_s, start, rel_gap, ahead=None):
+        gaps.append(rel_gap)
+        return solve(m, unit, time_limit_s, start, rel_gap, ahead)
+
+    monkeypatch.setattr(objective, "solve_by_lp_bound", spy)
     assert main(["plan", *TINY, "--mesh", "2", "--json", "--no-baselines", "--gap", "0.2"]) == 0
     assert gaps and set(gaps) == {0.2}  # the gap reaches every solve
     out = json.loads(capsys.readouterr().out)

@@ -83,3 +83,58 @@ def test_the_lp_bound_holds_for_any_duals():
     done = solver.solve_by_lp_bound(m, 1.0, TIME_LIMIT_S, None)
     assert done.status == "optimal" and np.round(done.solution).tolist() == [1.0, 0.0]
 
+
+
+def test_an_lp_started_ahead_is_the_solves_own(tiny):
+    """The LP relaxation run in a background thread (``ilp.IlpModel.start_lp``) gives the bound
+    the solve would have computed itself, and the same plan; an LP of another model is refused."""
+    problem, mesh = tiny
+    tr, ns, clus, costs = problem
+
+    def built():
+        return ilp.build(tr, ns, clus, costs, memory_budget=default_budget(mesh),
+                         schedule=ScheduleObjective(tr, clus, costs, torchtitan_options(tr)))
+
+    model = built()
+    model.start_lp(TIME_LIMIT_S)
+    assert model.lp_ahead is not None and model.lp_ahead._thread is not None  # runs in the background
+    ahead = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
+    itself = ilp.solve_built(built(), time_limit_s=TIME_LIMIT_S)
+    assert ahead.status == itself.status == "optimal"
+    assert ahead.choice == itself.choice and ahead.bound_s == pytest.approx(itself.bound_s, rel=1e-9)
+    other = built()
+    other.lp_ahead = model.lp_ahead
+    with pytest.raises(ValueError, match="another model's"):
+        ilp.solve_built(other, time_limit_s=TIME_LIMIT_S)
+
+
+def test_plan_with_baselines_prices_the_hand_plans_while_the_auto_lp_runs(tiny, monkeypatch):
+    """The auto ILP's LP relaxation starts before the first hand plan is priced, and the auto
+    solve takes that LP's result instead of solving it again."""
+    from shardwise.plan import planner
+
+    problem, mesh = tiny
+    events = []
+    real_run, real_make, real_solve = solver.LpRun.__init__, planner.make_plan, solver.solve_by_lp_bound
+
+    def run(self, m, *args, background=True, **kw):
+        events.append(("lp", background))
+        real_run(self, m, *args, background=background, **kw)
+
+    def make(*args, **kw):
+        events.append(("hand", kw.get("baseline")))
+        return real_make(*args, **kw)
+
+    def solve(m, unit, time_limit_s, start, rel_gap, ahead=None):
+        events.append(("solve", ahead is not None and ahead.m is m))
+        return real_solve(m, unit, time_limit_s, start, rel_gap, ahead)
+
+    monkeypatch.setattr(solver.LpRun, "__init__", run)
+    monkeypatch.setattr(planner, "make_plan", make)
+    monkeypatch.setattr(solver, "solve_by_lp_bound", solve)
+    monkeypatch.setattr("shardwise.plan.objective.solve_by_lp_bound", solve)
+    auto, hand = planner.plan_with_baselines(problem[0], mesh, step_options={"ac": None})
+    assert auto.status in ("optimal", "feasible") and any(p is not None for p in hand.values())
+    first_hand = next(i for i, e in enumerate(events) if e[0] == "hand")
+    assert events[0] == ("lp", True) and first_hand > 0  # the auto LP first, in the background
+    assert ("solve", True) in events  # ... and the auto solve used it

@@ -123,7 +123,7 @@ def test_why_there_is_no_plan(status, name, floor, needle):
 def test_the_planner_reports_its_phases(tiny2):
     phases = []
     make_plan(tiny2, MESH, on_phase=phases.append)
-    assert [p.split()[0] for p in phases] == ["enumerating", "solving"]
+    assert [p.split()[0] for p in phases] == ["enumerating", "building", "solving"]
 
 
 def test_constraints(tiny2):

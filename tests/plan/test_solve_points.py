@@ -114,17 +114,17 @@ def test_no_memory_pressure_one_auto_solve_and_each_plan_priced_once(tiny, mesh,
     """The budget is far from binding: the ILP's budget-free bound shows that no larger budget
     pays, so the auto ILP is solved once; and no plan is laid out on the schedule twice."""
     solves, priced = Counter(), Counter()
-    real_make, real_price = planner.make_plan, step.price_plan
+    real_prepare, real_price = planner.prepare_plan, step.price_plan
 
-    def make(*args, **kw):
+    def prepare(*args, **kw):  # every ILP is built by it: make_plan's and plan_with_baselines' own
         solves[kw.get("baseline")] += 1
-        return real_make(*args, **kw)
+        return real_prepare(*args, **kw)
 
     def price(traced, plan, *args, **kw):
         priced[(id(plan), plan.ac)] += 1
         return real_price(traced, plan, *args, **kw)
 
-    monkeypatch.setattr(planner, "make_plan", make)
+    monkeypatch.setattr(planner, "prepare_plan", prepare)
     monkeypatch.setattr(step, "price_plan", price)
     auto, _ = plan_with_baselines(tiny, mesh, step_options={})
     assert auto.info["schedule"]["fits"]
