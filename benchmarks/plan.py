@@ -92,8 +92,17 @@ gap of at least 0.1% is asked (``solver.LOOSE_IPM_TOLERANCE``; ``shardwise plan 
 ``plan_with_baselines``' plans: 2 layers 17.4 -> 14.4 s, 32 layers 21.3 -> 18.4 s, the same plans
 and gaps (0.83%, 0.38%); 5.5 s of the 32 layers' are the hand plans and the budget fit.
 
-Still missed: 2 layers <= 5 s and 32 layers within 1% <= 15 s (the interior-point LP alone
-is 11-15 s of one core: the model itself has to shrink); 70B <= 30 s within 1% (the LP bound
+Then (``--modes warm --gap 0.01``): node costs read a node's arguments by a hand walk instead of
+pytree's (32 layers 18.4 -> 18.0 s); and the auto ILP is built before the hand plans, its
+interior-point LP solved in a background thread while they are priced (HiGHS leaves Python's
+GIL; ``planner.prepare_plan``, ``solver.LpRun``): 2 layers 14.5 -> 11.9 s, 32 layers 18.0 ->
+13.4 s (within 1% in <= 15 s: met), the same plans and gaps (0.83%, 0.38%); 70B 145 -> 138 s
+(gap 5.4%). HiGHS's HiPO interior point (``highspy-extras``, for highspy 1.15) takes the 2-layer
+LP in 7.4 s against ipx's 7.4 s: no gain; PDLP does not reach 1e-5 in 60 s.
+
+Still missed: 2 layers <= 5 s (the interior-point LP alone is ~10 s of one core: the model
+itself has to shrink; its move costs do not split per mesh dim in one order, as DTensor's
+redistribution picks the order per move); 70B <= 30 s within 1% (the LP bound
 1.730 s against 1.812 s found by rounding, the neighbourhood and the MIP: the gap is the
 relaxation's, most likely the AC spread columns' w <= L y, which fractional y loosen, and the
 memory row; the MIP does not close it in 60 s).
