@@ -47,6 +47,10 @@ Activation checkpointing (``checkpointing.py``, training): per cluster of identi
 many run none / selective / full, with the recomputation in the objective and the saved bytes
 in the memory row in place of the layers' activations above.
 
+``build`` makes the model and ``solve_built`` solves it from start points, so that the planner
+can start its LP relaxation (``IlpModel.start_lp``) before the hand plans that give the starts
+are priced.
+
 Start point: a hand plan's choices (one strategy per deciding representative) fix x; each e is
 then 1 on the one pair its ends choose and each t the largest of its rows, a complete point that
 is checked against every row before HiGHS gets it as its first incumbent (``_start_vector``).

@@ -22,6 +22,10 @@ exactly, in three steps:
 
 If steps 1-2 cannot finish within PRICING_SHARE of the time limit (or the restricted LP has no
 point), the MIP over every column gets the rest of the time, as if nothing had been left out.
+
+The schedule objective's models are solved from their interior-point LP bound instead
+(``solve_by_lp_bound``), whose LP can be started ahead in a background thread (``LpRun``:
+HiGHS leaves Python's GIL while it runs), so that the planner prices the hand plans meanwhile.
 """
 
 from __future__ import annotations
