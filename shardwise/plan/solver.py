@@ -455,6 +455,7 @@ class LpRun:
         if tolerance is not None:
             self.h.setOptionValue("ipm_optimality_tolerance", tolerance)
         self.h.passModel(self.lp)
+        self.h.HandleUserInterrupt = background  # so that ``cancel`` can stop it
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True) if background else None
         if self._thread is not None:
@@ -467,6 +468,12 @@ class LpRun:
             self.h.run()
         except BaseException as e:  # handed to the caller by result()
             self._error = e
+
+    def cancel(self) -> None:
+        """Stops the LP (its result is then None): its caller gave up on the solve."""
+        if self._thread is not None:
+            self.h.cancelSolve()
+            self._thread.join()
 
     def result(self) -> _LpBound | None:
         """Waits for the LP; its bound, or None where it did not finish in time."""
