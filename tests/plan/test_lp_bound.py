@@ -164,4 +164,3 @@ def test_a_hand_plan_that_fails_stops_the_auto_lp(tiny, monkeypatch):
     with pytest.raises(RuntimeError, match="a hand plan failed"):
         planner.plan_with_baselines(problem[0], mesh, step_options={"ac": None})
     assert runs and cancelled == runs[:1] and not runs[0]._thread.is_alive()
-
