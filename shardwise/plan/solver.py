@@ -446,7 +446,7 @@ class LpRun:
 
     def __init__(self, m: Model, unit: float, time_limit_s: float, tolerance: float | None = None,
                  *, background: bool = True) -> None:
-        self.m, self.unit, self.tolerance = m, unit, tolerance
+        self.m = m
         self.lp = _highs_lp(m, unit)
         self.lp.integrality_ = []
         self.h = _highs(time_limit_s)
