@@ -139,10 +139,6 @@ class PreparedPlan:
         ``finish`` (pricing the hand plans) runs on another core meanwhile."""
         self.model.start_lp(self.time_limit_s, self.rel_gap)
 
-    def cancel_lp(self) -> None:
-        if self.model.lp_ahead is not None:
-            self.model.lp_ahead.cancel()
-
     def finish(self, start_from: Sequence[Plan] = ()) -> Plan:
         """Solve the ILP from the cheapest of ``start_from`` that is a point of it (``make_plan``)."""
         return _finish(self, start_from)
@@ -335,14 +331,10 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
     prepared = prepare_plan(traced, mesh, constraints=constraints, on_phase=on_phase, **options)
     assert prepared is not None  # only a baseline can fail to apply
     prepared.start_lp()
-    try:
-        for name in baselines:
-            say(f"pricing the {name} baseline")
-            plans[name] = (_baseline_with_ac(traced, mesh, name, limit, options, price) if decide
-                           else make_plan(traced, mesh, baseline=name, **options))
-    except BaseException:
-        prepared.cancel_lp()  # no core left busy for a solve that will not come
-        raise
+    for name in baselines:
+        say(f"pricing the {name} baseline")
+        plans[name] = (_baseline_with_ac(traced, mesh, name, limit, options, price) if decide
+                       else make_plan(traced, mesh, baseline=name, **options))
     starts = [b for b in plans.values() if b is not None and b.status not in NO_PLAN]
     auto = prepared.finish(starts)
     if decide and auto.status not in NO_PLAN:

@@ -139,28 +139,3 @@ def test_plan_with_baselines_prices_the_hand_plans_while_the_auto_lp_runs(tiny, 
     assert events[0] == ("lp", True) and first_hand > 0  # the auto LP first, in the background
     assert ("solve", True) in events  # ... and the auto solve used it
 
-
-def test_a_hand_plan_that_fails_stops_the_auto_lp(tiny, monkeypatch):
-    from shardwise.plan import planner
-
-    problem, mesh = tiny
-    runs, cancelled = [], []
-    real_run, real_cancel = solver.LpRun.__init__, solver.LpRun.cancel
-
-    def run(self, *args, **kw):
-        runs.append(self)
-        real_run(self, *args, **kw)
-
-    def cancel(self):
-        cancelled.append(self)
-        real_cancel(self)
-
-    def fail(*args, **kw):
-        raise RuntimeError("a hand plan failed")
-
-    monkeypatch.setattr(solver.LpRun, "__init__", run)
-    monkeypatch.setattr(solver.LpRun, "cancel", cancel)
-    monkeypatch.setattr(planner, "make_plan", fail)
-    with pytest.raises(RuntimeError, match="a hand plan failed"):
-        planner.plan_with_baselines(problem[0], mesh, step_options={"ac": None})
-    assert runs and cancelled == runs[:1] and not runs[0]._thread.is_alive()
