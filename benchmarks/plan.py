@@ -95,9 +95,10 @@ and gaps (0.83%, 0.38%); 5.5 s of the 32 layers' are the hand plans and the budg
 Then (``--modes warm --gap 0.01``): node costs read a node's arguments by a hand walk instead of
 pytree's (32 layers 18.4 -> 18.0 s); and the auto ILP is built before the hand plans, its
 interior-point LP solved in a background thread while they are priced (HiGHS leaves Python's
-GIL; ``planner.prepare_plan``, ``solver.LpRun``): 2 layers 14.5 -> 11.9 s, 32 layers 18.0 ->
-13.4 s (within 1% in <= 15 s: met), the same plans and gaps (0.83%, 0.38%); 70B 145 -> 138 s
-(gap 5.4%). HiGHS's HiPO interior point (``highspy-extras``, for highspy 1.15) takes the 2-layer
+GIL; ``planner.prepare_plan``, ``solver.LpRun``): 2 layers 14.5 -> 11.8-12.7 s, 32 layers 18.0
+-> 13.4-13.9 s (within 1% in <= 15 s: met), the same plans and gaps (0.83%, 0.38%); 70B 145 ->
+138 s (gap 5.4%); 32 layers to the optimum (no ``--gap``) 20.6 s. (With HiGHS's user interrupt
+on, to cancel the LP, its Python callback took the GIL: the LP 10.8 -> 14.7 s, 32 layers 17 s.) HiGHS's HiPO interior point (``highspy-extras``, for highspy 1.15) takes the 2-layer
 LP in 7.4 s against ipx's 7.4 s: no gain; PDLP does not reach 1e-5 in 60 s.
 
 Still missed: 2 layers <= 5 s (the interior-point LP alone is ~10 s of one core: the model
