@@ -169,13 +169,9 @@ def is_degenerate_reduce(node: fx.Node) -> bool:
     return bool(dims) and all(src.shape[d] == 1 for d in dims)
 
 
-def tensors(val: object) -> list[torch.Tensor]:
-    return flat_tensors(val)
-
-
 def value_bytes(node: fx.Node) -> int:
     """Bytes of the tensors a node holds, at their logical (possibly broadcast) shapes."""
-    return sum(t.numel() * t.element_size() for t in tensors(node.meta.get("val")))
+    return sum(t.numel() * t.element_size() for t in flat_tensors(node.meta.get("val")))
 
 
 def storage_root(node: fx.Node) -> fx.Node:
@@ -201,7 +197,7 @@ def boundary_bytes_of(values: Iterable[fx.Node]) -> int:
 
 def numel(node: fx.Node) -> int:
     """Elements of a node's (first) tensor value: its iteration space as a pointwise loop."""
-    ts = tensors(node.meta.get("val"))
+    ts = flat_tensors(node.meta.get("val"))
     return math.prod(ts[0].shape) if ts else 1
 
 
@@ -210,6 +206,6 @@ def reduction_space(node: fx.Node) -> frozenset[int]:
 
     Pointwise work fits the same loop nest when it runs over one of these counts (a prologue over
     the input, or an epilogue over the reduced or the re-broadcast values)."""
-    ins = [t for a in node.all_input_nodes for t in tensors(a.meta.get("val"))][:1]
-    outs = tensors(node.meta.get("val"))
+    ins = [t for a in node.all_input_nodes for t in flat_tensors(a.meta.get("val"))][:1]
+    outs = flat_tensors(node.meta.get("val"))
     return frozenset(math.prod(t.shape) for t in ins + outs)
