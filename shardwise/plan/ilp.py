@@ -447,8 +447,11 @@ def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Place
     cols = np.full(times.shape, -1, dtype=np.int64)
     n = int(finite.sum())
     cols[finite] = m.vars(n) + np.arange(n)
-    for i, j in zip(*np.nonzero(finite), strict=True):
-        m.ends[int(cols[i, j])] = (supply[srcs[i]], demand[dsts[j]])
+    ii, jj = np.nonzero(finite)
+    ends_of_src, ends_of_dst = [supply[p] for p in srcs], [demand[q] for q in dsts]
+    m.ends.update(zip(cols[ii, jj].tolist(), zip([ends_of_src[i] for i in ii.tolist()],
+                                                 [ends_of_dst[j] for j in jj.tolist()], strict=True),
+                      strict=True))
     for col in cols[finite & ~_core_pairs(times)].tolist():
         m.optional[col] = True
     for j, q in enumerate(dsts):
