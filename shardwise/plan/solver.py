@@ -445,7 +445,9 @@ class LpRun:
     banner is silenced on the process's stdout, which no other thread should see closed).
     There is no cancelling it: HiGHS's user interrupt polls a Python callback, which takes the
     GIL from the planner's thread (on llama3-8b over 8x8 the LP took 14.7 s instead of 10.8 s
-    beside the hand plans); its time limit ends it."""
+    beside the hand plans); its time limit ends it. Nor is the thread a daemon: a process that
+    exits (a user error, exit 2) waits for it, as HiGHS still running when Python shuts down
+    aborts the process ("terminate called without an active exception", exit 134)."""
 
     def __init__(self, m: Model, unit: float, time_limit_s: float, tolerance: float | None = None,
                  *, background: bool = True) -> None:
@@ -459,7 +461,7 @@ class LpRun:
             self.h.setOptionValue("ipm_optimality_tolerance", tolerance)
         self.h.passModel(self.lp)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True) if background else None
+        self._thread = threading.Thread(target=self._run) if background else None
         if self._thread is not None:
             self._thread.start()
         else:

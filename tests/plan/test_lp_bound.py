@@ -139,3 +139,29 @@ def test_plan_with_baselines_prices_the_hand_plans_while_the_auto_lp_runs(tiny, 
     assert events[0] == ("lp", True) and first_hand > 0  # the auto LP first, in the background
     assert ("solve", True) in events  # ... and the auto solve used it
 
+
+
+def test_a_process_that_exits_while_an_lp_runs_exits_cleanly():
+    """A CLI that fails (exit 2) while the LP started ahead still runs must exit with its own
+    code: HiGHS running while Python shuts down aborts the process (exit 134)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from shardwise.plan import solver
+        m = solver.Model()
+        cols = [m.var(float(c)) for c in np.random.default_rng(0).random(100_000)]
+        for k in range(0, len(cols), 50):
+            m.row(1.0, 1.0, {c: 1.0 for c in cols[k:k + 50]})
+        for k in range(50):
+            m.row(0.0, 2500.0, {c: 1.0 for c in cols[k::50]})
+        run = solver.LpRun(m, 1.0, 60.0)
+        print(run._thread.is_alive(), flush=True)
+        sys.exit(2)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "terminate called" not in done.stderr
