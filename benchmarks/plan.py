@@ -98,8 +98,9 @@ interior-point LP solved in a background thread while they are priced (HiGHS lea
 GIL; ``planner.prepare_plan``, ``solver.LpRun``): 2 layers 14.5 -> 11.8-12.7 s, 32 layers 18.0
 -> 13.4-13.9 s (within 1% in <= 15 s: met), the same plans and gaps (0.83%, 0.38%); 70B 145 ->
 138 s (gap 5.4%); 32 layers to the optimum (no ``--gap``) 20.6 s. (With HiGHS's user interrupt
-on, to cancel the LP, its Python callback took the GIL: the LP 10.8 -> 14.7 s, 32 layers 17 s.) HiGHS's HiPO interior point (``highspy-extras``, for highspy 1.15) takes the 2-layer
-LP in 7.4 s against ipx's 7.4 s: no gain; PDLP does not reach 1e-5 in 60 s.
+on, to cancel the LP, its Python callback took the GIL: the LP 10.8 -> 14.7 s, 32 layers 17 s.)
+HiGHS's HiPO interior point (``highspy-extras``, for highspy 1.15) takes the 2-layer LP in
+7.55 s against ipx's 7.37 s: no gain; PDLP does not reach 1e-5 in 60 s.
 
 Still missed: 2 layers <= 5 s (the interior-point LP alone is ~10 s of one core: the model
 itself has to shrink; its move costs do not split per mesh dim in one order, as DTensor's
