@@ -451,7 +451,7 @@ class LpRun:
 
     def __init__(self, m: Model, unit: float, time_limit_s: float, tolerance: float | None = None,
                  *, background: bool = True) -> None:
-        self.m = m
+        self.m, self.tolerance = m, tolerance
         self.lp = _highs_lp(m, unit)
         self.lp.integrality_ = []
         self.h = _highs(time_limit_s)
@@ -532,10 +532,11 @@ def _within(point: np.ndarray | None, cost: np.ndarray, bound: float, rel_gap: f
     return upper - bound <= rel_gap * upper
 
 
-def start_lp_bound(m: Model, unit: float, time_limit_s: float, rel_gap: float = MIP_REL_GAP) -> LpRun:
-    """``solve_by_lp_bound``'s first step, started now in a background thread (its ``ahead``)."""
+def start_lp_bound(m: Model, unit: float, time_limit_s: float, rel_gap: float = MIP_REL_GAP, *,
+                   background: bool = True) -> LpRun:
+    """``solve_by_lp_bound``'s first step, started now (in a background thread: its ``ahead``)."""
     tolerance = LOOSE_IPM_TOLERANCE if rel_gap >= LOOSE_GAP else None
-    return LpRun(m, unit, LP_BOUND_SHARE * time_limit_s, tolerance)
+    return LpRun(m, unit, LP_BOUND_SHARE * time_limit_s, tolerance, background=background)
 
 
 def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None,
@@ -543,8 +544,9 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     """Solve ``m`` exactly in four steps, for models whose LP is slow by simplex (the schedule
     objective's max rows) but whose LP optimum is nearly integral:
 
-    1. the LP relaxation by interior point (``_lp_bound``; to LOOSE_IPM_TOLERANCE where
-       ``rel_gap`` is at least LOOSE_GAP): a lower bound LB, the LP point;
+    1. the LP relaxation by interior point (``start_lp_bound``; to LOOSE_IPM_TOLERANCE where
+       ``rel_gap`` is at least LOOSE_GAP, solved again at HiGHS's own if that one fails): a
+       lower bound LB, the LP point;
     2. rounding: each one-hot group to its largest LP value, each group of activation
        checkpointing counts to whole counts of the same total (``round_group``), completed
        (``complete``: the edges, the spread columns, the move and block variables);
@@ -561,14 +563,12 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     ``ahead``: step 1 already started on ``m`` (``start_lp_bound``), with its own time limit."""
     deadline = time.perf_counter() + time_limit_s
     ub = np.array(m.ub, dtype=np.float64)
-    lp = None
-    if ahead is not None:
-        if ahead.m is not m:
-            raise ValueError("the LP started ahead is another model's")
-        lp = ahead.result()
-    elif rel_gap >= LOOSE_GAP:
-        lp = _lp_bound(m, unit, LP_BOUND_SHARE * time_limit_s, LOOSE_IPM_TOLERANCE)
-    if lp is None:  # to the optimum, or the loose LP ended without an optimal status
+    if ahead is None:
+        ahead = start_lp_bound(m, unit, time_limit_s, rel_gap, background=False)
+    elif ahead.m is not m:
+        raise ValueError("the LP started ahead is another model's")
+    lp = ahead.result()
+    if lp is None and ahead.tolerance is not None:  # the loose LP ended without an optimal status
         lp = _lp_bound(m, unit, LP_BOUND_SHARE * max(0.0, deadline - time.perf_counter()))
     if lp is None:
         return _mip(m, unit, max(0.0, deadline - time.perf_counter()), start, ub, rel_gap)

@@ -54,21 +54,45 @@ def test_under_a_tight_budget_the_lp_bound_solve_is_exact(tiny, times_floor):
     assert by_bound.objective_s == pytest.approx(whole.objective_s, rel=REL)
 
 
-def test_a_loose_gap_stops_within_it(tiny, monkeypatch):
+@pytest.fixture
+def tolerances(monkeypatch) -> list:
+    """The interior-point tolerance of every LP started (None: HiGHS's own)."""
+    seen = []
+    real_run = solver.LpRun.__init__
+
+    def run(self, m, unit, time_limit_s, tolerance=None, **kw):
+        seen.append(tolerance)
+        real_run(self, m, unit, time_limit_s, tolerance, **kw)
+
+    monkeypatch.setattr(solver.LpRun, "__init__", run)
+    return seen
+
+
+def test_a_loose_gap_stops_within_it(tiny, tolerances):
     problem, mesh = tiny
     whole = _solve(problem, default_budget(mesh), pricing=False)
-    tolerances = []
-    lp_bound = solver._lp_bound
-    monkeypatch.setattr(solver, "_lp_bound", lambda *a, **kw: tolerances.append(a[3:]) or lp_bound(*a, **kw))
     early = _solve(problem, default_budget(mesh), rel_gap=LOOSE_GAP)
-    assert tolerances[0] == (solver.LOOSE_IPM_TOLERANCE,)  # a loose gap: a loose interior point
+    assert tolerances == [solver.LOOSE_IPM_TOLERANCE]  # a loose gap: a loose interior point
     assert early.objective_s >= whole.objective_s * (1 - REL)
     assert early.bound_s <= whole.objective_s * (1 + REL)
     assert early.objective_s - early.bound_s <= LOOSE_GAP * early.objective_s
     tolerances.clear()
     exact = _solve(problem, default_budget(mesh))
-    assert tolerances == [()]  # to the optimum: HiGHS's own tolerance
+    assert tolerances == [None]  # to the optimum: HiGHS's own tolerance
     assert exact.objective_s == pytest.approx(whole.objective_s, rel=REL)
+
+
+def test_an_lp_that_fails_is_run_again_only_if_it_was_the_loose_one(tiny, tolerances, monkeypatch):
+    """A loose LP without an optimal status is solved again at HiGHS's tolerance; one at that
+    tolerance which failed is not (the MIP gets the time), and the solve still gives a plan."""
+    problem, mesh = tiny
+    monkeypatch.setattr(solver.LpRun, "result", lambda self: None)  # every LP ends without a bound
+    loose = _solve(problem, default_budget(mesh), rel_gap=LOOSE_GAP)
+    assert tolerances == [solver.LOOSE_IPM_TOLERANCE, None]
+    tolerances.clear()
+    exact = _solve(problem, default_budget(mesh))
+    assert tolerances == [None]
+    assert loose.status in ("optimal", "feasible") and exact.status == "optimal"
 
 
 def test_the_lp_bound_holds_for_any_duals():
