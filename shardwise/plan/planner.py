@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from torch import fx
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardwise.cost.hardware import get_hardware
 from shardwise.cost.units import format_bytes
@@ -298,7 +298,10 @@ def _strategies(traced: Traced, mesh: Mesh, spec: BaselineSpec | None, constrain
         _constrain_outputs(traced, ns, clus, constraints.outputs, mesh)
     for n, st in ns.items():
         if n.op == "placeholder" and not st.strategies:
-            raise UserError(f"no placement of {n.name} fits the constraints on mesh {mesh}.")
+            shape = list(n.meta["val"].shape)
+            why = _uneven(shape, fixed.get(n.name, ()), mesh.shape)
+            raise UserError(f"no placement of {_user_name(traced, n.name)} (shape {shape}) fits the "
+                            f"constraints on mesh {mesh}" + (f": {why}." if why else "."))
     timings["strategies_s"] = time.perf_counter() - t
     return clus, ns
 
@@ -662,13 +665,44 @@ def _fixed_placeholders(traced: Traced, spec: BaselineSpec | None,
         for pname, ps in constraints.params.items():
             if pname not in traced.params:
                 raise UserError(f"the constraint names parameter {pname!r}, which the model does not have.")
+            _check_shard_dims(traced, traced.params[pname], f"parameter {pname!r}", ps)
             fixed[traced.params[pname]] = ps
         for iname, ps in constraints.inputs.items():
             if iname not in traced.inputs:
                 raise UserError(f"the constraint names input {iname!r}; inputs are "
                                 f"{', '.join(traced.inputs)}.")
+            _check_shard_dims(traced, iname, f"input {iname!r}", ps)
             fixed[iname] = ps
     return fixed
+
+
+def _check_shard_dims(traced: Traced, placeholder: str, what: str, ps: Placements) -> None:
+    shape = tuple(traced.node(placeholder).meta["val"].shape)
+    for p in ps:
+        if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
+            raise UserError(f"the constraint shards {what} on dim {p.dim}, but its shape {list(shape)} "
+                            f"has dims 0 to {len(shape) - 1}.")
+
+
+def _uneven(shape: list[int], ps: Placements, mesh_shape: tuple[int, ...]) -> str | None:
+    """Why placements ``ps`` cannot hold a tensor of ``shape``: a dim sharded over more devices
+    than split it evenly (plans shard evenly), else None."""
+    ways: dict[int, int] = {}
+    for p, size in zip(ps, mesh_shape, strict=False):
+        if isinstance(p, Shard):
+            ways[p.dim] = ways.get(p.dim, 1) * size
+    for dim, n in ways.items():
+        if shape[dim] % n:
+            return f"its dim {dim} of size {shape[dim]} does not split evenly over {n} devices"
+    return None
+
+
+def _user_name(traced: Traced, placeholder: str) -> str:
+    """A placeholder as the user knows it: ``parameter 'NAME'`` or ``input 'NAME'``."""
+    by_placeholder = {ph: name for name, ph in traced.params.items()}
+    if placeholder in by_placeholder:
+        return f"parameter {by_placeholder[placeholder]!r}"
+    return f"input {placeholder!r}"
 
 
 def _placeholder_filter(fixed: dict[str, Placements], mesh: Mesh) -> Callable[[fx.Node, Placements], bool]:

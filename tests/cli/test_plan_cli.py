@@ -120,6 +120,11 @@ def test_the_optimizer_state_counts_in_memory(capsys):
     (["--mesh", "2", "--hardware", "tpu9"], "tpu9"),
     (["--mesh", "2", "--constrain", "layers.*.attn.wq.weight=R"], "matches no parameter, input or output"),
     (["--mesh", "2", "--constrain", "output:*=R"], "matches no parameter"),  # training: no outputs
+    (["--mesh", "2", "--constrain", "tok_embeddings.weight=S(5)"],
+     "shards parameter 'tok_embeddings.weight' on dim 5, but its shape [256, 64] has dims 0 to 1"),
+    (["--mesh", "3", "--constrain", "norm.weight=S(0)"],
+     "parameter 'norm.weight' (shape [64]) fits the constraints on mesh 3 (dp): its dim 0 of size 64 "
+     "does not split evenly over 3 devices"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(capsys, argv, needle):
     assert main(["plan", *TINY, *argv]) == 2
