@@ -106,6 +106,9 @@ def cli(*argv: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.CompletedPro
 def json_object(proc: subprocess.CompletedProcess) -> dict:
     """A command's whole stdout parsed as JSON: it must have succeeded and printed one object."""
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Nothing the command's processes left behind is reported at its exit (multiprocessing's
+    # resource tracker warns of semaphores a killed rank never released).
+    assert "resource_tracker" not in proc.stderr, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert isinstance(out, dict)
     return out

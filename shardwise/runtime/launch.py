@@ -60,6 +60,11 @@ FAILURE_GRACE_S = 2.0
 # Process-group timeout as a share of the run's: ranks blocked on a hung peer give up (and say
 # so) well before the parent's deadline, so the one that never reports stands out as the hang.
 PG_TIMEOUT_SHARE = 0.8
+# Seconds the ranks of a run that succeeded get to exit on their own before they are killed:
+# their exit handlers release what their libraries hold, such as the named semaphore tqdm makes
+# inside fx.Interpreter, which the resource tracker they share with this process otherwise
+# reports as leaked when it exits. They exit in well under a second.
+EXIT_GRACE_S = 5.0
 # A rank still running at this share of the run's timeout (its peers gave up at PG_TIMEOUT_SHARE)
 # writes every thread's Python stack to its file, which the hang's error names.
 HANG_DUMP_SHARE = 0.9
@@ -498,19 +503,21 @@ def spawn(fn, payloads: Sequence[bytes], backend: str, timeout_s: float, *,
                          args=(r, world, store.port, backend, fn, payloads[r], timeout_s, results, stacks))
              for r in range(world)]
     deadline = time.monotonic() + timeout_s
-    keep_stacks = False
+    keep_stacks = done = False
     try:
         with _main_not_rerun():
             for p in procs:
                 p.start()
         if while_running is not None:
             while_running()
-        return _collect(results, procs, world, deadline, timeout_s, on_message, stacks)
+        outs = _collect(results, procs, world, deadline, timeout_s, on_message, stacks)
+        done = True
+        return outs
     except RunError as e:
         keep_stacks = e.stacks is not None
         raise
     finally:
-        _kill_all(procs)
+        _kill_all(procs, EXIT_GRACE_S if done else 0.0)
         del store
         if not keep_stacks:
             shutil.rmtree(stacks, ignore_errors=True)
@@ -586,8 +593,12 @@ def _own_errors(errors: dict[int, tuple[str, str]]) -> list[int]:
             if not any(m in text or m in tb for m in _PEER_ERROR_MARKERS)]
 
 
-def _kill_all(procs) -> None:
+def _kill_all(procs, grace_s: float = 0.0) -> None:
+    """End every started process: those that exit within ``grace_s`` on their own, the rest killed."""
     started = [p for p in procs if p.pid is not None]
+    until = time.monotonic() + grace_s
+    for p in started:
+        p.join(timeout=max(0.0, until - time.monotonic()))
     for p in started:
         if p.is_alive():
             p.kill()

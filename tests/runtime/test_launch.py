@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +24,7 @@ from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import make_plan
 from shardwise.runtime import Fault, RunError, run, run_many
 from shardwise.runtime.counter import as_json, count_graph
-from tests.helpers import SLOW_MACHINE_TIMEOUT_S, hf_model_name
+from tests.helpers import CLI_TIMEOUT_S, REPO, SLOW_MACHINE_TIMEOUT_S, hf_model_name
 from tests.lower.hand_plans import S0, R, hand_plan, tiny_mlp_traced, transpose_plan
 
 pytestmark = pytest.mark.slow
@@ -179,3 +181,31 @@ def test_two_runs_at_once_do_not_collide():
     assert all(r is not None and r.max_rel_err <= MAX_REL_ERR for r in results)
     assert results[0].loss != results[1].loss  # different seeds, different steps
     assert torch.isfinite(torch.tensor([r.loss for r in results])).all()
+
+
+_HELD: list = []
+
+
+def _holds_a_semaphore_and_exits_slowly(rank: int, backend: str, payload: bytes, send) -> int:
+    """A rank whose libraries made a named semaphore (as tqdm does inside fx.Interpreter) and
+    whose exit takes a moment before it releases it (exit handlers run by priority)."""
+    import multiprocessing
+    from multiprocessing import util
+
+    lock = multiprocessing.Lock()  # registered with the resource tracker the parent shares
+    util.Finalize(lock, time.sleep, args=(0.5,), exitpriority=10)
+    _HELD.append(lock)
+    return rank
+
+
+def test_ranks_that_succeed_exit_on_their_own_and_leak_nothing():
+    """The ranks of a run that succeeded are not killed in their exit: a rank killed there never
+    releases its semaphores, which the resource tracker reports when the parent exits."""
+    script = ("from shardwise.runtime.launch import spawn\n"
+              "from tests.runtime.test_launch import _holds_a_semaphore_and_exits_slowly as fn\n"
+              "print(spawn(fn, [b'', b''], 'gloo', 60.0))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                          timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[0, 1]"
+    assert "resource_tracker" not in proc.stderr, proc.stderr[-3000:]
