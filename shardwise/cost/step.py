@@ -211,9 +211,9 @@ def estimate_step(model: str, mesh: Mesh, plan: str, opts: dict, *, batch: int |
 
     spec = get_model(model, layers=layers, batch=batch, seq=seq, dtype=dtype)
     depths = [spec.n_layers]
+    if extrapolate_from is not None and extrapolate_from < 1:
+        raise UserError(f"--extrapolate-from must be at least 1 layer, got {extrapolate_from}.")
     if extrapolate_from is not None and extrapolate_from + PERIOD < spec.n_layers:
-        if extrapolate_from < 1:
-            raise UserError(f"--extrapolate-from must be at least 1 layer, got {extrapolate_from}.")
         depths = [extrapolate_from, extrapolate_from + PERIOD]
     prepared = []
     for n_layers in depths:

@@ -71,6 +71,8 @@ def test_bad_input_is_one_sentence(tmp_path, hf_tiny_config):
         ([*TINY, "--mesh", "2x2", "--mesh-names", "dp,tp", "--plan", "fsdp", "--async-tp"], ("fsdp", "tp")),
         (["--model", f"hf:{hf_tiny_config}", "--batch", "8", "--seq", "64", "--mesh", "2",
           "--plan", str(path)], ("llama-tiny",)),
+        # refused even where the model is too shallow to extrapolate
+        ([*TINY, "--mesh", "2", "--plan", "fsdp", "--extrapolate-from", "0"], ("at least 1 layer",)),
     ]
     for (_, words), proc in zip(cases, cli_all([["estimate", *argv] for argv, _ in cases]), strict=True):
         _refused(proc, *words)
