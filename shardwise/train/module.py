@@ -453,10 +453,10 @@ class ParallelModule(nn.Module):
         coord = prog.program.coordinate(dist.get_rank())
         device = torch.device(self.device_mesh.device_type)
         out = []
-        for x, lay in zip(global_inputs, prog.inputs, strict=True):
+        for i, (x, lay) in enumerate(zip(global_inputs, prog.inputs, strict=True)):
             if tuple(x.shape) != lay.shape:
-                raise UserError(f"input {lay.name} has shape {list(x.shape)}; the program was traced "
-                                f"for {list(lay.shape)}.")
+                raise UserError(f"input {i} has shape {list(x.shape)}; the program was traced for "
+                                f"{list(lay.shape)} (the example inputs' shapes).")
             out.append(lay.shard(x, coord).to(device))
         return tuple(out)
 
@@ -484,13 +484,27 @@ class ParallelModule(nn.Module):
         self._check_initialised()
         if self.training:
             prog = self._train_prog
+            _check_local(prog, local_inputs, "training")
             return _Step.apply(prog, tuple(local_inputs), *prog.parameters())
         prog = self._eval_program()
+        _check_local(prog, local_inputs, "inference")
         outs = prog.run(*[p.to_local() for p in prog.parameters()], *local_inputs)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         res = [lay.to_dtensor(o, self.device_mesh) if lay is not None else o
                for o, lay in zip(outs, prog.program.outputs, strict=True)]
         return res[0] if len(res) == 1 else tuple(res)
+
+
+def _check_local(prog: _Program, local_inputs: Sequence[torch.Tensor], kind: str) -> None:
+    """The program's ops are traced for its inputs' local shapes: refuse others (the global
+    tensors themselves, say) before they fail deep inside it, or broadcast into a wrong step."""
+    if len(local_inputs) != len(prog.inputs):
+        raise UserError(f"the {kind} program takes {len(prog.inputs)} inputs, got {len(local_inputs)}.")
+    for i, (x, lay) in enumerate(zip(local_inputs, prog.inputs, strict=True)):
+        want = lay.local_shape()
+        if tuple(x.shape) != want:
+            raise UserError(f"input {i} has shape {list(x.shape)}, but this rank's slice of it is "
+                            f"{list(want)}; pass the slices shard_inputs(*global_inputs) returns.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -205,6 +205,20 @@ def test_meta_model_refuses_to_run_before_init(one_process_group):
     assert torch.isfinite(pm(*pm.shard_inputs(idx, tgt)))
 
 
+def test_inputs_of_other_shapes_are_refused(one_process_group):
+    import shardwise.train as sw
+
+    idx, tgt = gpt2.batch(0)
+    pm = sw.parallelize(gpt2.GPT2(), "1", [idx, tgt], plan="ddp", loss_fn=gpt2.loss_fn, time_limit_s=20)
+    with pytest.raises(UserError, match=r"input 0 has shape .*traced for"):
+        pm.shard_inputs(idx[:1], tgt)
+    with pytest.raises(UserError, match=r"input 1 has shape .*this rank's slice of it is"):
+        pm(idx, tgt[:, :-1])
+    with pytest.raises(UserError, match="takes 2 inputs, got 1"):
+        pm(idx)
+    assert torch.isfinite(pm(*pm.shard_inputs(idx, tgt)))
+
+
 def test_forward_without_scalar_loss_is_refused(one_process_group):
     import shardwise.train as sw
 
