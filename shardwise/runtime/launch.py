@@ -60,10 +60,11 @@ FAILURE_GRACE_S = 2.0
 # Process-group timeout as a share of the run's: ranks blocked on a hung peer give up (and say
 # so) well before the parent's deadline, so the one that never reports stands out as the hang.
 PG_TIMEOUT_SHARE = 0.8
-# Seconds the ranks of a run that succeeded get to exit on their own before they are killed:
+# Seconds the ranks get to exit on their own once the run is over, before those left are killed:
 # their exit handlers release what their libraries hold, such as the named semaphore tqdm makes
 # inside fx.Interpreter, which the resource tracker they share with this process otherwise
-# reports as leaked when it exits. They exit in well under a second.
+# reports as leaked when it exits. A rank that reported exits in well under a second; a hung
+# one costs the whole grace.
 EXIT_GRACE_S = 5.0
 # A rank still running at this share of the run's timeout (its peers gave up at PG_TIMEOUT_SHARE)
 # writes every thread's Python stack to its file, which the hang's error names.
@@ -503,21 +504,19 @@ def spawn(fn, payloads: Sequence[bytes], backend: str, timeout_s: float, *,
                          args=(r, world, store.port, backend, fn, payloads[r], timeout_s, results, stacks))
              for r in range(world)]
     deadline = time.monotonic() + timeout_s
-    keep_stacks = done = False
+    keep_stacks = False
     try:
         with _main_not_rerun():
             for p in procs:
                 p.start()
         if while_running is not None:
             while_running()
-        outs = _collect(results, procs, world, deadline, timeout_s, on_message, stacks)
-        done = True
-        return outs
+        return _collect(results, procs, world, deadline, timeout_s, on_message, stacks)
     except RunError as e:
         keep_stacks = e.stacks is not None
         raise
     finally:
-        _kill_all(procs, EXIT_GRACE_S if done else 0.0)
+        _kill_all(procs, EXIT_GRACE_S)
         del store
         if not keep_stacks:
             shutil.rmtree(stacks, ignore_errors=True)

@@ -100,7 +100,8 @@ def latest(root: str | Path) -> Path:
     root = Path(root)
     pointer = root / LATEST
     if not root.is_dir():
-        raise UserError(f"resume dir {str(root)!r} does not exist.")
+        what = "is a file, not a directory" if root.exists() else "does not exist"
+        raise UserError(f"resume dir {str(root)!r} {what}.")
     if not pointer.is_file():
         raise UserError(f"resume dir {str(root)!r} holds no checkpoint (no {LATEST} file); train with "
                         "--save-dir first.")

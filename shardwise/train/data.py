@@ -118,7 +118,7 @@ def tokenize_file(path: str, tokenizer: str, out_dir: str | Path, vocab_size: in
 def _existing(path: str, what: str) -> Path:
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"{what} {path!r} does not exist.")
+        raise UserError(f"{what} {path!r} {'is not a file' if p.exists() else 'does not exist'}.")
     return p
 
 

@@ -54,6 +54,8 @@ class TrainOptions:
             raise UserError("--lr must be positive, --clip and --weight-decay not negative.")
         if self.save_every and not self.save_dir:
             raise UserError("--save-every needs --save-dir.")
+        if self.save_dir and Path(self.save_dir).exists() and not Path(self.save_dir).is_dir():
+            raise UserError(f"save dir {self.save_dir!r} is a file, not a directory.")
         if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
             raise UserError(f"--stop-at must lie in 1..{self.steps} (--steps).")
 

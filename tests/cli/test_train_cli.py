@@ -138,6 +138,8 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
         "--tokenizer needs --data": [*base, "--tokenizer", "tok.json"],
         "positive integer": [*base[:-2], "--steps", "0"],
         "unknown activation checkpointing policy": [*base, "--ac", "most"],
+        "is a file, not a directory": [*base, "--save-dir", str(other / "latest"), "--save-every", "1"],
+        "is not a file": [*base, "--data", str(tmp_path)],
     }
     for needle, proc in zip(cases, cli_all([[*argv, "--json"] for argv in cases.values()]), strict=True):
         assert proc.returncode == 2, (needle, proc.stderr)
