@@ -105,9 +105,20 @@ HiGHS's HiPO interior point (``highspy-extras``, for highspy 1.15) takes the 2-l
 Still missed: 2 layers <= 5 s (the interior-point LP alone is ~10 s of one core: the model
 itself has to shrink; its move costs do not split per mesh dim in one order, as DTensor's
 redistribution picks the order per move); 70B <= 30 s within 1% (the LP bound
-1.730 s against 1.812 s found by rounding, the neighbourhood and the MIP: the gap is the
-relaxation's, most likely the AC spread columns' w <= L y, which fractional y loosen, and the
-memory row; the MIP does not close it in 60 s).
+1.730 s against 1.812 s found by rounding, the neighbourhood and the MIP; the MIP does not
+close it in 60 s).
+
+Where 70B's gap comes from (the first solve, the one the budget fit then redoes: its memory row
+holds 44.8 GiB of its 67.1 and every layer runs without checkpointing, so neither the memory row
+nor the AC columns are in it). The LP point leaves 142 of 186 one-hot groups integral; the
+fractional ones are the 80-layer cluster's MLP (each of its einsums, silu and mul at 0.905 one
+strategy, 0.095 another) and the head's and tail's weights. Mixing the two MLP shardings
+balances the cluster's block exactly: compute + exposed = prefetched gathers = 671.15 ms
+(forward) and 996.24 ms (backward) at the LP point, where the plan found runs 721.81 against
+652.72 and 1033.37 against 958.46. A whole plan cannot split a block between two strategies,
+so the max rows' relaxation is 4.9% under it there. The MIP over what reduced-cost fixing
+leaves (73% of the columns) spends 15 s on its root LP by dual simplex and 18 s on cuts that
+raise the bound 4.84% -> 4.58%, without branching once (HiGHS's log of its 37 s).
 """
 
 from __future__ import annotations
