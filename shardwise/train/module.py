@@ -447,9 +447,7 @@ class ParallelModule(nn.Module):
     def shard_inputs(self, *global_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's pieces of the global inputs, as the plan places them."""
         prog = self._train_prog if self.training else self._eval_program()
-        if len(global_inputs) != len(prog.inputs):
-            raise UserError(f"the {'training' if self.training else 'inference'} program takes "
-                            f"{len(prog.inputs)} inputs, got {len(global_inputs)}.")
+        _check_count(prog, global_inputs, "training" if self.training else "inference")
         coord = prog.program.coordinate(dist.get_rank())
         device = torch.device(self.device_mesh.device_type)
         out = []
@@ -495,11 +493,15 @@ class ParallelModule(nn.Module):
         return res[0] if len(res) == 1 else tuple(res)
 
 
+def _check_count(prog: _Program, inputs: Sequence[torch.Tensor], kind: str) -> None:
+    if len(inputs) != len(prog.inputs):
+        raise UserError(f"the {kind} program takes {len(prog.inputs)} inputs, got {len(inputs)}.")
+
+
 def _check_local(prog: _Program, local_inputs: Sequence[torch.Tensor], kind: str) -> None:
     """The program's ops are traced for its inputs' local shapes: refuse others (the global
     tensors themselves, say) before they fail deep inside it, or broadcast into a wrong step."""
-    if len(local_inputs) != len(prog.inputs):
-        raise UserError(f"the {kind} program takes {len(prog.inputs)} inputs, got {len(local_inputs)}.")
+    _check_count(prog, local_inputs, kind)
     for i, (x, lay) in enumerate(zip(local_inputs, prog.inputs, strict=True)):
         want = lay.local_shape()
         if tuple(x.shape) != want:
