@@ -30,13 +30,13 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.train import checkpoint
     from shardwise.train.models import build_model
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {args.out!r} is a file; give a directory.")
     meta = checkpoint.read_meta(checkpoint.latest(args.resume))
     build = {k: meta.extra.get(k) for k in ("layers", "batch", "seq", "dtype")}
     module, _ = build_model(meta.model, meta=False, **build)
     checkpoint.load_plain(args.resume, module)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {args.out!r} is a file; give a directory.")
     out.mkdir(parents=True, exist_ok=True)
     if meta.model.startswith(HF_PREFIX):
         module.model.save_pretrained(out, safe_serialization=True)

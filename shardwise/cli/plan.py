@@ -147,6 +147,7 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     opts = step_options(args, mesh.names)
     if args.inference and (args.ac not in (None, "none") or args.compile or args.async_tp):
         raise UserError("--ac, --compile and --async-tp price a training step; drop them with --inference.")
+    _check_outputs(args)
     t0 = time.perf_counter()
     traced = trace_model(args.model, train=not args.inference, layers=args.layers, batch=args.batch,
                          seq=args.seq, dtype=args.dtype)
@@ -171,7 +172,10 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
         raise UserError(no_plan_reason(plan))
     applied = {name: b for name, b in hand.items() if b is not None and b.status not in NO_PLAN}
     if args.save:
-        plan.save(args.save)
+        try:
+            plan.save(args.save)
+        except OSError as e:
+            raise UserError(f"--save {args.save!r}: cannot write the plan ({e.strerror}).") from None
     if args.save_all:
         _save_all(args.save_all, {"auto": plan, **applied})
     timings = plan.info["timings"]
@@ -220,6 +224,21 @@ def plan_row(plan) -> dict:
             "exposed_comm_s": b["exposed_comm_s"], "comm_s": b["comm_s"], "compute_s": b["compute_s"],
             "recompute_s": b["recompute_s"], "memory_per_device_bytes": sched["memory_per_device_bytes"],
             "fits": sched["fits"], "async_tp": sched["options"]["async_tp"], "ac": sched["options"]["ac"]}
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse a --save or --save-all path that cannot be written before planning (minutes on a
+    big model), not after."""
+    from pathlib import Path
+
+    if args.save:
+        path = Path(args.save)
+        if path.is_dir():
+            raise UserError(f"--save {args.save!r} is a directory; give the plan file's path.")
+        if not path.parent.is_dir():
+            raise UserError(f"--save {args.save!r}: directory {str(path.parent)!r} does not exist.")
+    if args.save_all and Path(args.save_all).exists() and not Path(args.save_all).is_dir():
+        raise UserError(f"--save-all {args.save_all!r} is a file; give a directory.")
 
 
 def _save_all(directory: str, plans: dict) -> None:

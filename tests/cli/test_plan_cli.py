@@ -122,6 +122,8 @@ def test_the_optimizer_state_counts_in_memory(capsys):
     (["--mesh", "2", "--constrain", "output:*=R"], "matches no parameter"),  # training: no outputs
     (["--mesh", "2", "--constrain", "tok_embeddings.weight=S(5)"],
      "shards parameter 'tok_embeddings.weight' on dim 5, but its shape [256, 64] has dims 0 to 1"),
+    (["--mesh", "2", "--save", "/no/such/dir/plan.json"], "directory '/no/such/dir' does not exist"),
+    (["--mesh", "2", "--save", "/"], "is a directory"),
     (["--mesh", "3", "--constrain", "norm.weight=S(0)"],
      "parameter 'norm.weight' (shape [64]) fits the constraints on mesh 3 (dp): its dim 0 of size 64 "
      "does not split evenly over 3 devices"),

@@ -148,3 +148,6 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
     assert not any((tmp_path / "ck").iterdir())  # nothing half-written
     proc = shardwise("export", "--resume", str(empty), "--out", str(tmp_path / "x"), check=False)
     assert proc.returncode == 2 and "holds no checkpoint" in proc.stderr
+    proc = shardwise("export", "--resume", str(other), "--out", str(other / "latest"), check=False)
+    assert proc.returncode == 2 and "is a file; give a directory" in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr  # refused before the checkpoint is read
