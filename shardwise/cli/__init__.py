@@ -78,6 +78,20 @@ def step_options(args: argparse.Namespace, mesh_names: tuple[str, ...]) -> dict:
             "async_tp": args.async_tp}
 
 
+def check_output_file(path: str | None, flag: str) -> None:
+    """Refuse an output file path that cannot be written (a directory, or in a missing one)
+    before the command's work, not after it."""
+    from pathlib import Path
+
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{flag} {path!r} is a directory; give a file path.")
+    if not p.parent.is_dir():
+        raise UserError(f"{flag} {path!r}: directory {str(p.parent)!r} does not exist.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # With --json, stdout carries one JSON object: whatever the command, its libraries or their

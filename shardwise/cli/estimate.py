@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.cli import add_model_options, add_step_options, step_options
+from shardwise.cli import add_model_options, add_step_options, check_output_file, step_options
 from shardwise.cli.plan import add_mesh_options
 from shardwise.errors import UserError
 
@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> dict:
     hw = get_hardware(args.hardware)
     if (args.timeline or args.timeline_png) and args.extrapolate_from is not None:
         raise UserError("--timeline needs the whole step traced; drop --extrapolate-from.")
+    check_output_file(args.timeline, "--timeline")
+    check_output_file(args.timeline_png, "--timeline-png")
     budget = parse_bytes(args.memory) if args.memory else None
     if args.no_expandable_segments:
         opts["expandable_segments"] = False

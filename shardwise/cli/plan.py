@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from shardwise.cli import add_model_options, add_step_options, step_options
+from shardwise.cli import add_model_options, add_step_options, check_output_file, step_options
 from shardwise.errors import UserError
 
 # What makes a --constrain NAME a glob (fnmatch's wildcards).
@@ -231,12 +231,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     big model), not after."""
     from pathlib import Path
 
-    if args.save:
-        path = Path(args.save)
-        if path.is_dir():
-            raise UserError(f"--save {args.save!r} is a directory; give the plan file's path.")
-        if not path.parent.is_dir():
-            raise UserError(f"--save {args.save!r}: directory {str(path.parent)!r} does not exist.")
+    check_output_file(args.save, "--save")
     if args.save_all and Path(args.save_all).exists() and not Path(args.save_all).is_dir():
         raise UserError(f"--save-all {args.save_all!r} is a file; give a directory.")
 

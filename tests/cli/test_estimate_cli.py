@@ -73,6 +73,8 @@ def test_bad_input_is_one_sentence(tmp_path, hf_tiny_config):
           "--plan", str(path)], ("llama-tiny",)),
         # refused even where the model is too shallow to extrapolate
         ([*TINY, "--mesh", "2", "--plan", "fsdp", "--extrapolate-from", "0"], ("at least 1 layer",)),
+        ([*TINY, "--mesh", "2", "--plan", "fsdp", "--timeline", str(tmp_path / "no" / "t.json")],
+         ("--timeline", "does not exist")),
     ]
     for (_, words), proc in zip(cases, cli_all([["estimate", *argv] for argv, _ in cases]), strict=True):
         _refused(proc, *words)
