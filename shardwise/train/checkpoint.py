@@ -123,12 +123,15 @@ def read_meta(path: Path) -> CheckpointMeta:
 def check_compatible(meta: CheckpointMeta, module: nn.Module, model_name: str, path: Path) -> None:
     """Refuse a checkpoint of another model (by name or parameter shapes)."""
     shapes = param_shapes(module)
-    if meta.model != model_name or meta.params != shapes:
+    if meta.model != model_name:
+        raise UserError(f"checkpoint {str(path)!r} is of model {meta.model!r}, not {model_name!r}.")
+    if meta.params != shapes:
         names = sorted(set(shapes) | set(meta.params))
-        diff = next((k for k in names if shapes.get(k) != meta.params.get(k)), None)
-        what = f" (parameter {diff}: {meta.params.get(diff)} saved, {shapes.get(diff)} here)" if diff else ""
-        raise UserError(f"checkpoint {str(path)!r} is of model {meta.model!r}, not this "
-                        f"{model_name!r}{what}.")
+        diff = next(k for k in names if shapes.get(k) != meta.params.get(k))
+        saved = "not in it" if diff not in meta.params else f"{meta.params[diff]} in it"
+        here = "none here" if diff not in shapes else f"{shapes[diff]} here"
+        raise UserError(f"checkpoint {str(path)!r} is of another shape of {model_name!r} (--layers, sizes): "
+                        f"parameter {diff} is {saved}, {here}.")
 
 
 def load(root: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler,

@@ -121,16 +121,18 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (tmp_path / "ck").mkdir()
-    other = tmp_path / "other"
-    other.mkdir()
-    meta = {"version": 1, "step": 4, "model": "llama3-8b", "params": {}, "scheduler": {}, "extra": {}}
-    (other / "step-000004").mkdir()
-    (other / "step-000004" / "shardwise.json").write_text(json.dumps(meta))
-    (other / "latest").write_text("step-000004")
+    other, shaped = tmp_path / "other", tmp_path / "shaped"
+    for root, model, params in ((other, "llama3-8b", {}), (shaped, "llama-tiny", {"norm.weight": [3]})):
+        meta = {"version": 1, "step": 4, "model": model, "params": params, "scheduler": {}, "extra": {}}
+        (root / "step-000004").mkdir(parents=True)
+        (root / "step-000004" / "shardwise.json").write_text(json.dumps(meta))
+        (root / "latest").write_text("step-000004")
     base = ["train", "--model", "llama-tiny", "--mesh", "2", "--steps", "2"]
     cases = {
         "holds no checkpoint": [*base, "--resume", str(empty)],
-        "is of model 'llama3-8b'": [*base, "--resume", str(other)],
+        "is of model 'llama3-8b', not 'llama-tiny'": [*base, "--resume", str(other)],
+        "is of another shape of 'llama-tiny' (--layers, sizes): parameter layers.0.attention.wk.weight "
+        "is not in it, [32, 64] here": [*base, "--resume", str(shaped)],
         "does not exist": [*base, "--data", str(tmp_path / "missing.txt")],
         "cannot be split": ["train", "--model", "llama-tiny", "--mesh", "8", "--batch", "4"],
         "unknown pass": [*base, "--passes", "fuse_everything"],
