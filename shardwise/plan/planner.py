@@ -699,10 +699,8 @@ def _uneven(shape: list[int], ps: Placements, mesh_shape: tuple[int, ...]) -> st
 
 def _user_name(traced: Traced, placeholder: str) -> str:
     """A placeholder as the user knows it: ``parameter 'NAME'`` or ``input 'NAME'``."""
-    by_placeholder = {ph: name for name, ph in traced.params.items()}
-    if placeholder in by_placeholder:
-        return f"parameter {by_placeholder[placeholder]!r}"
-    return f"input {placeholder!r}"
+    param = traced.param_of_placeholder().get(placeholder)
+    return f"parameter {param!r}" if param is not None else f"input {placeholder!r}"
 
 
 def _placeholder_filter(fixed: dict[str, Placements], mesh: Mesh) -> Callable[[fx.Node, Placements], bool]:
