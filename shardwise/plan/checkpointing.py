@@ -146,6 +146,17 @@ class CheckpointingModel:
         out += [_Group([k], nodes) for k, nodes in sorted(alone.items())]
         return out
 
+    def kept_moved(self, r: fx.Node) -> tuple[list[int], int] | None:
+        """Which copies of representative r keep a moved copy of its value for the backward
+        (``ilp._saved_moves``): those of its group's layers whose policy does not recompute r,
+        as (their count columns, the group's layers); None where every copy keeps it (outside
+        the layers, or recomputed under no policy). Valid once ``build`` made the counts."""
+        gi = next((i for i, g in enumerate(self.groups) if r in g.reps), None)
+        pols = [p for p in POLICIES if r not in self.recomputed[p]]
+        if gi is None or len(pols) == len(POLICIES):
+            return None
+        return [self.counts[gi][p] for p in pols], len(self.groups[gi].layers)
+
     def excluded(self) -> frozenset[str]:
         """Names of the nodes whose saved bytes this model counts (the ILP's ``MemoryModel``
         leaves them out)."""

@@ -494,7 +494,7 @@ class LpRun:
         reduced = cost - np.bincount(index, weights=value * y[row_of], minlength=len(cost))
         lb, ub = np.array(m.lb), np.array(m.ub)
         for t, rows in m.t_rows.items():  # t <= the largest sum its rows can force
-            ub[t] = max(sum(max(0.0, c) * ub[e] for e, c in terms.items()) for terms in rows)
+            ub[t] = min(ub[t], max(sum(max(0.0, c) * ub[e] for e, c in terms.items()) for terms in rows))
         rows_part = np.where(y > 0.0, y * np.where(np.isfinite(lo), lo, 0.0),
                              y * np.where(np.isfinite(hi), hi, 0.0))
         cols_part = np.where(reduced >= 0.0, reduced * lb, reduced * ub)

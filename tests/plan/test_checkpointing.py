@@ -110,3 +110,25 @@ def test_cli_plan_prints_the_chosen_ac_and_estimate_of_the_saved_plan_agrees(tmp
     assert est["step_s"] == pytest.approx(auto["step_s"], rel=1e-9)
     fixed = _cli("plan", *model, "--ac", "full", "--no-baselines")
     assert fixed["ac_policy"] == fixed["plans"]["auto"]["ac"] == "full" and fixed["ac_given"]
+
+
+@pytest.mark.parametrize("ac", [None, ACPolicy.SELECTIVE, ACPolicy.FULL])
+def test_the_memory_row_holds_the_moved_activations_the_backward_keeps(tiny, ac):
+    """Under sequence parallelism the layers' norm outputs are gathered for the forward's
+    matmuls and the backward's weight gradients read the same gathered copy: the step keeps it
+    (the schedule's saved activations named ``x -> placement``), and the ILP's memory row counts
+    exactly those bytes beyond the activations themselves, whatever the checkpointing."""
+    from shardwise.mesh import parse_mesh
+    from shardwise.plan import make_plan
+    from shardwise.plan.ilp import MemoryModel
+
+    mesh = parse_mesh("2x2", "dp,tp", "h100")
+    so = {} if ac is None else {"ac": ac}
+    rows = [make_plan(tiny, mesh, baseline="fsdp_tp_sp", memory_budget=BIG, step_options=so,
+                      memory=MemoryModel(moved_copies=moved)) for moved in (False, True)]
+    assert rows[0].nodes == rows[1].nodes and rows[0].ac == rows[1].ac
+    est = price_plan(tiny, rows[1], mesh, so)
+    kept = sum(lt.size for lt in est.schedule.lifetimes
+               if lt.category == "saved_activations" and " -> " in lt.name)
+    assert kept > 0
+    assert rows[1].estimate.memory_bytes - rows[0].estimate.memory_bytes == kept
