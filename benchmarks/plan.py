@@ -119,6 +119,16 @@ balances the cluster's block exactly: compute + exposed = prefetched gathers = 6
 so the max rows' relaxation is 4.9% under it there. The MIP over what reduced-cost fixing
 leaves (73% of the columns) spends 15 s on its root LP by dual simplex and 18 s on cuts that
 raise the bound 4.84% -> 4.58%, without branching once (HiGHS's log of its 37 s).
+
+Why the budget fit solves 70B twice: the ILP's memory row held 44.6 GiB of that first plan's
+76.5 GiB schedule peak. 20 GiB of the difference were the gathered inputs of the layers'
+tensor-parallel matmuls, moved in the forward and kept for the backward's weight gradients;
+the row counted only the values as their producers made them. The row now counts those moved
+copies (``ilp._saved_moves``): 64.7 GiB for the same plan. The rest of the peak is gathered
+parameters, transients and the allocator's cache, beyond the row's 10% reserve, so the first
+plan still does not fit and the fit solves again. But it now does so at 62 GiB instead of
+41.9, and its plan checkpoints 7 layers selectively (it was 1 selective and 7 full): 2.0446 s
+against 2.0576 s a step, gap 5.1%, total 137.9 s as before.
 """
 
 from __future__ import annotations
