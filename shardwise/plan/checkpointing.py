@@ -64,6 +64,7 @@ from shardwise.plan.cluster import TAIL, Clustering, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.placement import Placements
 from shardwise.plan.plan import ACChoice, ACGroup
+from shardwise.plan.solver import add_terms
 from shardwise.plan.strategies import NodeStrategies
 
 POLICIES = tuple(ACPolicy)
@@ -120,6 +121,7 @@ class CheckpointingModel:
             self.saved[p] = {alias_root(n) for n in held}
             self.recomputed[p] = set(rp.recompute)
         self.groups = self._groups()
+        self._group_of = {r: gi for gi, g in enumerate(self.groups) for r in g.reps}
 
     # ---- which layers ----------------------------------------------------------------------
     def _in_layer(self, n: fx.Node) -> bool:
@@ -151,7 +153,7 @@ class CheckpointingModel:
         (``ilp._saved_moves``): those of its group's layers whose policy does not recompute r,
         as (their count columns, the group's layers); None where every copy keeps it (outside
         the layers, or recomputed under no policy). Valid once ``build`` made the counts."""
-        gi = next((i for i, g in enumerate(self.groups) if r in g.reps), None)
+        gi = self._group_of.get(r)
         pols = [p for p in POLICIES if r not in self.recomputed[p]]
         if gi is None or len(pols) == len(POLICIES):
             return None
@@ -202,7 +204,8 @@ class CheckpointingModel:
                 for v in vs:
                     mem[v] = mem.get(v, 0.0) + L * size[p]
             return
-        self._spread(m, gi, pols, list(sup.values()), list(size.values()), lambda c, b: _add(mem, c, b))
+        self._spread(m, gi, pols, list(sup.values()), list(size.values()),
+                     lambda c, b: add_terms(mem, {c: b}))
 
     def _recompute(self, m, gi: int, r: fx.Node, ns, xs, charge_recompute) -> None:
         """r's kernel run again in the backward of its group's layers that recompute it."""
@@ -259,7 +262,3 @@ class CheckpointingModel:
             n = {p: int(round(float(sol[c]))) for p, c in cnt.items()}
             out.append(ACGroup(tuple(g.layers), n[ACPolicy.NONE], n[ACPolicy.SELECTIVE], n[ACPolicy.FULL]))
         return ACChoice(tuple(out))
-
-
-def _add(terms: dict[int, float], col: int, value: float) -> None:
-    terms[col] = terms.get(col, 0.0) + value

@@ -86,6 +86,7 @@ from shardwise.plan.solver import (
     MIP_REL_GAP,
     LpRun,
     Model,
+    add_terms,
     complete,
     solve_model,
     start_lp_bound,
@@ -341,10 +342,13 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         for part in [list(keys)] if schedule is None else schedule.split(list(keys)):
             _charge_moves(m, [moves[k] for k in part], n, part)
 
+    def supply_of(n: fx.Node) -> dict[Placements, list[int]]:
+        return _supply(ns, xs, clus, n)
+
     ck_mem: dict[int, float] = {}
     if checkpointing is not None:
         memory = replace(memory, exclude=checkpointing.excluded())
-        ck_mem = checkpointing.build(m, ns, xs, lambda n: _supply(ns, xs, clus, n),
+        ck_mem = checkpointing.build(m, ns, xs, supply_of,
                                      schedule.charge_recompute if schedule is not None else m.add_cost)
         # A rounded point's spread columns follow from its counts and its x: the counts as
         # whole numbers, then filled as a start point's are.
@@ -353,11 +357,8 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     if memory_budget is not None:
         mem_terms, min_mem = _memory_terms(traced, ns, xs, clus, costs, memory)
         if traced.train and memory.include_activations and memory.moved_copies:
-            def supply(n: fx.Node) -> dict[Placements, list[int]]:
-                return _supply(ns, xs, clus, n)
-
-            _add_terms(ck_mem, _saved_moves(traced, clus, costs, m, demands, supply, one, checkpointing))
-        _add_terms(mem_terms, ck_mem)
+            add_terms(ck_mem, _saved_moves(traced, clus, costs, m, demands, supply_of, one, checkpointing))
+        add_terms(mem_terms, ck_mem)
         m.memory_row = len(m.row_lb)
         m.row(-math.inf, float(memory_budget) / MEMORY_UNIT_BYTES,
               {v: b / MEMORY_UNIT_BYTES for v, b in mem_terms.items()})
@@ -516,11 +517,7 @@ def _charge_moves(m: _Model, edges: list[_Paid], copies: int, keys: list) -> Non
         # t counts microseconds, so the rows' coefficients are not down at HiGHS's tolerances.
         t = m.var(0.0, ub=math.inf, integer=False)
         m.charge(t, copies * OBJECTIVE_UNIT_S, [keys[k] for k in per_edge])
-        m.t_rows[t] = []
-        for terms in per_edge.values():
-            scaled = {e: c / OBJECTIVE_UNIT_S for e, c in terms.items()}
-            m.t_rows[t].append(scaled)
-            m.row(-math.inf, 0.0, {**scaled, t: -1.0})
+        m.at_least(t, [{e: c / OBJECTIVE_UNIT_S for e, c in terms.items()} for terms in per_edge.values()])
 
 
 def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],
@@ -585,19 +582,19 @@ def _saved_moves(traced: Traced, clus: Clustering, costs: PlannerCosts, m: _Mode
                 needs = [d[q] for d in side if q in d]
                 if len(needs) > 1:  # several readers on this side: whether any needs q
                     a = m.var(0.0, integer=False)
-                    _t_rows(m, a, [_sum_of(cols) for cols in needs])
+                    m.at_least(a, [_sum_of(cols) for cols in needs])
                     needs = [[a]]
-                _add_terms(terms_s, _sum_of(needs[0]))
-            _add_terms(terms_s, _sum_of(made.get(q, []), -1.0))
-            _t_rows(m, s, [terms_s])
+                add_terms(terms_s, _sum_of(needs[0]))
+            add_terms(terms_s, _sum_of(made.get(q, []), -1.0))
+            m.at_least(s, [terms_s])
             size = float(local_bytes(val, q, costs.mesh_shape))
             if kept is None:  # every copy keeps it
-                _add_terms(terms, {s: copies[u] * size})
+                add_terms(terms, {s: copies[u] * size})
             else:
                 counts, layers = kept
                 k = m.var(0.0, ub=float(layers), integer=False)
-                _t_rows(m, k, [{**dict.fromkeys(counts, 1.0), s: float(layers), one: -float(layers)}])
-                _add_terms(terms, {k: size})
+                m.at_least(k, [{**dict.fromkeys(counts, 1.0), s: float(layers), one: -float(layers)}])
+                add_terms(terms, {k: size})
     return terms
 
 
@@ -606,19 +603,6 @@ def _sum_of(cols: list[int], sign: float = 1.0) -> dict[int, float]:
     for c in cols:
         terms[c] = terms.get(c, 0.0) + sign
     return terms
-
-
-def _t_rows(m: _Model, t: int, rows: list[dict[int, float]]) -> None:
-    """t >= sum(terms) for each of ``rows``, as rows of the model and as ``Model.t_rows`` (a
-    start point sets t to the largest)."""
-    m.t_rows[t] = rows
-    for terms in rows:
-        m.row(-math.inf, 0.0, {**terms, t: -1.0})
-
-
-def _add_terms(into: dict[int, float], terms: dict[int, float]) -> None:
-    for c, b in terms.items():
-        into[c] = into.get(c, 0.0) + b
 
 
 def chosen_strategy(ns: dict[fx.Node, NodeStrategies], clus: Clustering, choice: dict[fx.Node, int],

@@ -279,11 +279,8 @@ class ScheduleObjective:
                 m.cost[col] += t
             w = m.var(0.0, ub=math.inf, integer=False)
             m.cost[w] += unit_s
-            m.t_rows[w] = []
-            for load in (Load.COMPUTE, Load.HIDDEN):
-                terms = {c: t / unit_s for c, t in loads.get(load, {}).items() if t}
-                m.t_rows[w].append(terms)
-                m.row(-math.inf, 0.0, {**terms, w: -1.0})
+            m.at_least(w, [{c: t / unit_s for c, t in loads.get(load, {}).items() if t}
+                           for load in (Load.COMPUTE, Load.HIDDEN)])
 
     @staticmethod
     def _critical(loads: dict[str, dict[int, float]]) -> dict[int, float]:

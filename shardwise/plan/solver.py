@@ -120,6 +120,19 @@ class Model:
         self.index.extend(terms.keys())
         self.value.extend(terms.values())
 
+    def at_least(self, t: int, rows: list[dict[int, float]]) -> None:
+        """t >= sum(terms) for each of ``rows``: rows of the model, and ``t_rows`` (a start point
+        sets t to the largest; add t after the variables its rows read)."""
+        self.t_rows[t] = rows
+        for terms in rows:
+            self.row(-math.inf, 0.0, {**terms, t: -1.0})
+
+
+def add_terms(into: dict[int, float], terms: dict[int, float]) -> None:
+    """Add a row's coefficients ``terms`` into ``into``, column by column."""
+    for c, b in terms.items():
+        into[c] = into.get(c, 0.0) + b
+
 
 @dataclass
 class Solved:
