@@ -144,7 +144,8 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     if args.optimizer not in OPTIMIZER_STATE_BYTES:
         raise UserError(f"unknown optimizer {args.optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}.")
     budget = parse_bytes(args.memory) if args.memory else None
-    opts = step_options(args, mesh.names)
+    # The schedule's peak holds the same optimizer state as the ILP's memory row.
+    opts = {**step_options(args, mesh.names), "optimizer_state_bytes": OPTIMIZER_STATE_BYTES[args.optimizer]}
     if args.inference and (args.ac not in (None, "none") or args.compile or args.async_tp):
         raise UserError("--ac, --compile and --async-tp price a training step; drop them with --inference.")
     _check_outputs(args)
@@ -182,7 +183,10 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     out = plan_summary(plan)
     out["plans"] = {"auto": plan_row(plan), **{name: plan_row(hand[name]) if name in applied else None
                                                 for name in hand}}
+    # The chosen plan's step and memory by the measure every plan is compared by (the schedule's
+    # peak, not the node-by-node sum's parameters and activations, when training).
     out["step_s"] = out["plans"]["auto"]["step_s"]
+    out["memory_per_device_bytes"] = out["plans"]["auto"]["memory_per_device_bytes"]
     # "ilp": the ILP's solution; a hand plan's name: it was faster by the schedule.
     out["chosen_from"] = plan.info.get("chosen_from", "ilp")
     if "ilp_solution" in plan.info:

@@ -255,12 +255,20 @@ def tokens_per_step(traced: Traced) -> int:
     return traced.node(traced.inputs[0]).meta["val"].numel()
 
 
+# The ``StepOptions`` field a plan records for ``estimate`` of it: bytes of optimizer state per
+# parameter element.
+OPTIMIZER_STATE = "optimizer_state_bytes"
+
+
 def step_options_for(plan: Plan, traced: Traced, opts: dict) -> dict:
     """``opts`` as they apply to ``plan``: ``async_tp`` only where the plan is tensor-parallel
     (fusing would otherwise pair an FSDP gather over a dim named tp with its matmul); ``ac`` the
     plan's recorded activation checkpointing (``Plan.ac``, none without one) unless ``opts``
-    names a policy, which then holds for every layer."""
-    return {**opts, "ac": plan_ac(plan, opts.get("ac")),
+    names a policy, which then holds for every layer; the optimizer state the plan was made for
+    (``shardwise plan --optimizer``, recorded when it was priced) unless ``opts`` gives one."""
+    recorded = plan.info.get("schedule", {}).get("options", {})
+    state = {OPTIMIZER_STATE: recorded[OPTIMIZER_STATE]} if OPTIMIZER_STATE in recorded else {}
+    return {**state, **opts, "ac": plan_ac(plan, opts.get("ac")),
             "async_tp": bool(opts.get("async_tp")) and uses_tp(plan, traced)}
 
 
@@ -281,7 +289,8 @@ def price_plan(traced: Traced, plan: Plan, mesh: Mesh, opts: dict,
                             get_hardware(mesh.hardware), applied, memory_budget)
     so = StepOptions(**applied)
     plan.info["schedule"] = {**est.to_json(), "options": {"ac": policy_name(so.ac), "compile": so.compile,
-                                                          "async_tp": so.async_tp}}
+                                                          "async_tp": so.async_tp,
+                                                          OPTIMIZER_STATE: so.optimizer_state_bytes}}
     return est
 
 

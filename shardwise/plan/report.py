@@ -61,8 +61,10 @@ def plan_summary(plan: Plan) -> dict:
         # The solver's lower bound on the optimum, and the hand plan it started from (if any).
         "bound_s": plan.info.get("bound_s"),
         "started_from": plan.info.get("started_from"),
-        "estimate": {"compute_s": plan.estimate.compute_s, "comm_s": plan.estimate.comm_s,
-                     "total_s": plan.estimate.total_s},
+        # The node-by-node sum (every kernel and collective one after another, no overlap):
+        # the inference measure; a training step's is the schedule's ``step_s``.
+        "serial_estimate": {"compute_s": plan.estimate.compute_s, "comm_s": plan.estimate.comm_s,
+                            "total_s": plan.estimate.total_s},
         "params": {k: placements_str(v) for k, v in plan.params.items()},
         "outputs": [placements_str(p) for p in plan.outputs],
         "memory_per_device_bytes": plan.estimate.memory_bytes,
