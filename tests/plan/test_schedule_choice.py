@@ -8,11 +8,21 @@ from dataclasses import replace
 
 import pytest
 
-from shardwise.cost.step import price_plan
+from shardwise.cost.step import price_plan, regions_layers
+from shardwise.ir.trace import trace_model
 from shardwise.mesh import Mesh
+from shardwise.passes.pipeline import canonicalize
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan import BASELINES, make_plan
-from shardwise.plan.planner import NO_PLAN, _fastest_by_schedule, plan_with_baselines
+from shardwise.plan.plan import ACChoice, ACGroup
+from shardwise.plan.planner import (
+    NO_PLAN,
+    _fastest_by_schedule,
+    _lighten_ac,
+    _lighter_ac,
+    _Pricer,
+    plan_with_baselines,
+)
 
 MESH = Mesh((2, 2), ("dp", "tp"), "h100")
 
@@ -66,3 +76,45 @@ def test_a_hand_plan_that_is_no_point_of_the_ilp_is_not_chosen(tiny, hand):
     chosen = _fastest_by_schedule(tiny, MESH, solution, hand, {})
     assert chosen.info["chosen_from"] == "ilp" and chosen.params == hand[slowest].params
     assert priced[fastest] < chosen.info["schedule"]["step_s"]
+
+
+def test_lighter_checkpointing_variants_recompute_less():
+    group = ACGroup((0, 1, 2, 3), none=1, selective=1, full=2)
+    variants = _lighter_ac(ACChoice((group,)))
+    assert [v.describe() for v in variants] == [
+        ACChoice.uniform([0, 1, 2, 3], ACPolicy.NONE).describe(),
+        ACChoice((ACGroup((0, 1, 2, 3), none=2, selective=2, full=0),)).describe()]
+    # nothing lighter than no checkpointing; one rung down from all selective is all none
+    assert _lighter_ac(ACChoice.uniform([0, 1], ACPolicy.NONE)) == []
+    none = ACChoice.uniform([0, 1], ACPolicy.NONE)
+    assert _lighter_ac(ACChoice.uniform([0, 1], ACPolicy.SELECTIVE)) == [none]
+
+
+def test_checkpointing_the_schedule_finds_only_slower_is_lightened_where_the_lighter_step_fits():
+    """Handed a plan that checkpoints every layer in full with memory to spare, the same
+    placements run with less recomputation: faster by the schedule, and what estimate prices;
+    under a limit, the fastest that fits."""
+    # Activations big enough (1 MiB a tensor) that checkpointing moves the allocator's peak.
+    traced = trace_model("llama-tiny", layers=2, batch=16, seq=256)
+    canonicalize(traced)
+    fsdp = make_plan(traced, MESH, baseline="fsdp")
+    full = replace(fsdp, ac=ACChoice.uniform(sorted(regions_layers(traced)), ACPolicy.FULL), info={})
+    full_est = price_plan(traced, full, MESH, {})
+    lighter = _lighten_ac(full, _Pricer(traced, MESH, {}, None))
+    assert lighter is not full and lighter.nodes == full.nodes
+    assert lighter.info["ilp_ac"] == full.ac.describe() != lighter.ac.describe()
+    step = lighter.info["schedule"]["step_s"]
+    assert step < full_est.step_s
+    assert price_plan(traced, lighter, MESH, {}).step_s == pytest.approx(step, rel=1e-12)
+
+    # Under a limit the full plan's peak: no checkpointing, the fastest, holds more and is left
+    # out; selective fits (the allocator's peak is the full plan's) and is faster than full.
+    layers = sorted(regions_layers(traced))
+    none, selective = (ACChoice.uniform(layers, p) for p in (ACPolicy.NONE, ACPolicy.SELECTIVE))
+    priced = {v: price_plan(traced, replace(full, ac=v, info={}), MESH, {}) for v in (none, selective)}
+    limit = full_est.memory_per_device_bytes
+    assert priced[selective].memory_per_device_bytes <= limit < priced[none].memory_per_device_bytes
+    assert priced[none].step_s < priced[selective].step_s < full_est.step_s
+    assert _lighten_ac(full, _Pricer(traced, MESH, {}, float(limit))).ac == selective
+    # and where nothing lighter fits, the plan stays
+    assert _lighten_ac(full, _Pricer(traced, MESH, {}, float(limit - 1))) is full
