@@ -23,7 +23,9 @@ every copy. Each cost term of the ILP goes to a block and a load:
   nothing) and the root (one group over both phases);
 - a gradient reduction: HIDDEN in its gradient's block, in fp32 under torchtitan's mixed
   precision (``reduce_fp32``: the time scaled by the byte ratio); the last block's (the head's:
-  the embedding's) EXPOSED, after the backward's last kernel;
+  the embedding's) EXPOSED, after the backward's last kernel; the tail's (the output weight's,
+  made by the tail's last kernels) HIDDEN in the next block, the last layer's backward, under
+  which the schedule runs it;
 - any other move: EXPOSED in its consumer's block (the consumer waits for it);
 - the optimizer step: ``OPTIMIZER_BYTES_PER_ELEMENT`` per local parameter element through
   memory, linear in the parameters' placements, plus one launch: serial, after the backward.
@@ -59,14 +61,16 @@ objective 155.6 ms, schedule 148.3 ms):
   dims of a 2x2 mesh 23% dearer by the objective (its gathers pipeline over the two streams);
 - a queue carried over: the backward's gather of the output weight (21.8 ms, queued behind the
   forward's) delays the backward's first kernel by 23 ms after the forward's last; the
-  objective charges it in the forward tail's block, where it is about as long. The auto plan
-  of the same case (objective 48.2 ms, schedule 53.7 ms) loses most of its 5.5 ms to one: the
-  output weight's gradient is made by the tail's last kernel, so its reduce_scatter (5.5 ms on
-  dp) runs under the first layer's backward, where the layer's gathers and an exposed
-  all_reduce queue behind it; the objective has it hidden under the tail's own kernels.
-  (Charging each reduction to the kernels after its gradient, the rest of its block and then
-  the next, brings that plan to 0.95 of the schedule but DDP on a 1-D mesh from 1.02 to 1.07:
-  not done.)
+  objective charges it in the forward tail's block, where it is about as long.
+
+The tail's reductions went to the tail's own block until the auto plan of that case
+(objective 48.2 ms, schedule 53.7 ms) showed where most of its 5.5 ms went: the output
+weight's gradient is made by the tail's last kernel, so its reduce_scatter (5.5 ms on dp) runs
+under the last layer's backward, where that layer's gathers and an exposed all_reduce queue
+behind it. Charged there, the optimum's objective is 54.01 ms against the schedule's 53.96
+(1.001; 2 layers), 351.5 against 361.7 (0.972; 32 layers: 0.956 before). (Charging every
+reduction to the kernels after its gradient, the rest of its block and then the next, brought
+that plan to 0.95 but DDP on a 1-D mesh from 1.02 to 1.07: not done.)
 
 Exact where a plan has one stream's worth of communication: on one device the objective is
 the schedule's step (tests/plan/test_objective.py); on 1-D meshes the auto plan is within 1%
@@ -150,6 +154,7 @@ class ScheduleObjective:
         order = sorted({self._block(n) for n in gm.graph.nodes if n.op == "call_function"},
                        key=lambda b: (b[0] is Phase.BACKWARD, b[1] if b[0] is Phase.FORWARD else -b[1]))
         self.pred = dict(zip(order[1:], order[:-1], strict=True))
+        self.succ = dict(zip(order[:-1], order[1:], strict=True))
         self.last = order[-1] if order else None
 
     # ---- where a term goes -----------------------------------------------------------------
@@ -191,13 +196,16 @@ class ScheduleObjective:
         if j == GRAD_SINK:
             # Issued as the gradient is computed, under the rest of its block's backward (the
             # block takes at least its reductions: w[b] >= hidden[b]); the last block's, after
-            # the backward's last kernel. (Its predecessor's were charged exposed too, "the
+            # the backward's last kernel (its predecessor's were charged exposed too, "the
             # head's few kernels cannot hide them"; the schedule runs them under their own
-            # block's backward, as it issues them: benchmarks/objective_terms.py.)
+            # block's backward, as it issues them: benchmarks/objective_terms.py); the tail's,
+            # made by its last kernels, under the next block.
             val = u.meta["val"]
             if self.options.reduce_fp32 and val.element_size() < FP32_BYTES:
                 seconds *= FP32_BYTES / val.element_size()
             block = self._block(u)
+            if block == (Phase.BACKWARD, TAIL) and block in self.succ:
+                block = self.succ[block]
             copies = self._copies(block)
             for c in copies:
                 if c == self.last:

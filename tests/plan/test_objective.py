@@ -11,7 +11,7 @@ from shardwise.ir.trace import Phase, trace_model
 from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import make_plan
-from shardwise.plan.cluster import cluster
+from shardwise.plan.cluster import TAIL, cluster
 from shardwise.plan.costs import PlannerCosts
 from shardwise.plan.objective import GRAD_SINK, Load, ScheduleObjective
 
@@ -134,7 +134,7 @@ def test_the_last_layer_is_not_gathered_again_for_its_backward(tiny):
     assert charged(1) == {}
 
 
-def test_a_gradient_is_reduced_under_its_own_block_but_the_last(tiny):
+def test_a_gradient_is_reduced_under_its_own_block_but_the_last_and_the_tails(tiny):
     obj = _objective(tiny)
     for pname, gname in tiny.grads.items():
         g = tiny.node(gname)
@@ -146,3 +146,11 @@ def test_a_gradient_is_reduced_under_its_own_block_but_the_last(tiny):
     head = [p for p in root if obj._block(tiny.node(tiny.grads[p])) == obj.last]
     assert head and exposed == pytest.approx(len(head))
     assert hidden == pytest.approx(len(tiny.grads) - len(head))
+    # the tail's (the output weight's and the final norm's, made by the tail's last kernels)
+    # under the last layer's backward, where the schedule runs them; the tail's block has none
+    tail = [p for p in root if obj._block(tiny.node(tiny.grads[p])) == (Phase.BACKWARD, TAIL)]
+    assert "output.weight" in tail
+    assert not obj.terms.get((Phase.BACKWARD, TAIL), {}).get(Load.HIDDEN)
+    last_layer = obj.terms[(Phase.BACKWARD, obj.last_layer)][Load.HIDDEN][0]
+    layer_grads = [p for p in tiny.grads if p.startswith(f"layers.{obj.last_layer}.")]
+    assert last_layer == pytest.approx(len(layer_grads) + len(tail))
