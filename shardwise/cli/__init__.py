@@ -92,6 +92,15 @@ def check_output_file(path: str | None, flag: str) -> None:
         raise UserError(f"{flag} {path!r}: directory {str(p.parent)!r} does not exist.")
 
 
+def check_output_dir(path: str | None, flag: str) -> None:
+    """Refuse an output directory that is a file before the command's work (it is made later,
+    with any missing parents)."""
+    from pathlib import Path
+
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise UserError(f"{flag} {path!r} is a file; give a directory.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # With --json, stdout carries one JSON object: whatever the command, its libraries or their

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shardwise.errors import UserError
+from shardwise.cli import check_output_dir
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,9 +30,8 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.train import checkpoint
     from shardwise.train.models import build_model
 
+    check_output_dir(args.out, "--out")
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {args.out!r} is a file; give a directory.")
     meta = checkpoint.read_meta(checkpoint.latest(args.resume))
     build = {k: meta.extra.get(k) for k in ("layers", "batch", "seq", "dtype")}
     module, _ = build_model(meta.model, meta=False, **build)

@@ -22,7 +22,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from shardwise.cli import add_model_options, add_step_options, check_output_file, step_options
+from shardwise.cli import (
+    add_model_options,
+    add_step_options,
+    check_output_dir,
+    check_output_file,
+    step_options,
+)
 from shardwise.errors import UserError
 
 # What makes a --constrain NAME a glob (fnmatch's wildcards).
@@ -233,11 +239,8 @@ def plan_row(plan) -> dict:
 def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse a --save or --save-all path that cannot be written before planning (minutes on a
     big model), not after."""
-    from pathlib import Path
-
     check_output_file(args.save, "--save")
-    if args.save_all and Path(args.save_all).exists() and not Path(args.save_all).is_dir():
-        raise UserError(f"--save-all {args.save_all!r} is a file; give a directory.")
+    check_output_dir(args.save_all, "--save-all")
 
 
 def _save_all(directory: str, plans: dict) -> None:

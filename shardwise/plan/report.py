@@ -67,7 +67,6 @@ def plan_summary(plan: Plan) -> dict:
                             "total_s": plan.estimate.total_s},
         "params": {k: placements_str(v) for k, v in plan.params.items()},
         "outputs": [placements_str(p) for p in plan.outputs],
-        "memory_per_device_bytes": plan.estimate.memory_bytes,
         "collectives": {k: {"count": v.count, "bytes": v.bytes} for k, v in plan.collectives.items()},
         "fallback_ops": plan.fallback_ops,
         # Activation checkpointing per cluster of identical layers (None: not recorded, runs none).

@@ -148,6 +148,18 @@ def test_bad_input_is_one_sentence_and_exit_2(capsys, argv, needle):
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_save_all_path_that_is_a_file_is_refused_before_planning(capsys, tmp_path, monkeypatch):
+    import shardwise.plan.planner as planner
+
+    monkeypatch.setattr(planner, "plan_with_baselines", None)  # planning would fail loudly
+    path = tmp_path / "plans"
+    path.write_text("")
+    assert main(["plan", *TINY, "--mesh", "2", "--save-all", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--save-all {str(path)!r} is a file; give a directory." in err
+    assert len(err.strip().splitlines()) == 1
+
+
 class _Hinted(nn.Module):
     """A model with an op the planner has no rule for (shardwise::segment_set)."""
 
