@@ -27,7 +27,7 @@ over 4 ranks with the fsdp plan, then ``init_weights``: each rank's peak RSS nex
 size (no rank ever holds the whole model).
 
     python benchmarks/train.py [--models llama-tiny:8x128,llama-small:8x256] [--layers 4] [--compile]
-                               [--phases] [--skip-memory]
+                               [--loops shardwise-ddp,torch-ddp] [--phases] [--skip-memory]
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def speed(args) -> None:
     best: dict[str, float] = {}
     losses: dict[str, float] = {}
     best_phases: dict[str, dict[str, tuple[float, float]]] = {}
-    modes = [*MODES, *(m + COMPILED for m in MODES if args.compile)]
+    modes = [*args.loops, *(m + COMPILED for m in args.loops if args.compile)]
     # Rounds interleave the loops, so a load that drifts on a shared machine touches them all.
     for _ in range(args.rounds):
         for mode in modes:
@@ -209,7 +209,7 @@ def speed(args) -> None:
     pairs = [("shardwise-fsdp", "torch-fsdp2"), ("shardwise-ddp", "torch-ddp")]
     if args.compile:
         pairs += [(a + COMPILED, b + c) for a, b in pairs[:2] for c in ("", COMPILED)]
-    for ours, theirs in pairs:
+    for ours, theirs in (pair for pair in pairs if set(pair) <= set(modes)):
         print(f"{ours} / {theirs}: {rows[ours] / rows[theirs]:.2f}x tokens/s")
     if args.phases:
         _print_phases(modes, best_phases)
@@ -255,6 +255,7 @@ def main() -> None:
     p.add_argument("--mem-layers", type=int, default=4)
     p.add_argument("--mem-batch", type=int, default=4)
     p.add_argument("--mem-seq", type=int, default=256)
+    p.add_argument("--loops", default=",".join(MODES), help=f"which of {','.join(MODES)} to run")
     p.add_argument("--compile", action="store_true", help="also run every loop through torch.compile")
     p.add_argument("--phases", action="store_true",
                    help="also print each loop's step by phase (wall and CPU ms)")
@@ -265,6 +266,9 @@ def main() -> None:
         cases = [_parse_case(c) for c in args.models.split(",") if c.strip()]
     except ValueError:
         p.error("--models takes MODEL:BATCHxSEQ,... with an even batch (two ranks)")
+    args.loops = [m.strip() for m in args.loops.split(",") if m.strip()]
+    if not args.loops or not set(args.loops) <= set(MODES):
+        p.error(f"--loops takes some of {','.join(MODES)}")
     if args.steps <= 0:
         p.error("--steps must be positive")
     if not args.skip_speed:
