@@ -335,9 +335,14 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         moves[(u, v, j)] = _add_edge(m, supply, demand,
                                      costs.move_times(list(supply), list(demand), producer.meta["val"]))
         demands[(u, v, j)] = demand
-    groups: dict[tuple[fx.Node, frozenset], int] = defaultdict(int)
+    # Each group's edges in their consumers' graph order: the first is the reader the move runs
+    # for (the schedule objective charges it to that reader's block), and the model is built
+    # the same way on every run (a set's order follows the nodes' hashes).
+    position = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
+    groups: dict[tuple[fx.Node, tuple], int] = defaultdict(int)
     for u, keys in out_keys.items():
-        groups[(clus.rep[u], frozenset(k for k in keys if k in moves))] += 1
+        paid = sorted((k for k in keys if k in moves), key=lambda k: (position[k[1]], k[2]))
+        groups[(clus.rep[u], tuple(paid))] += 1
     for (_, keys), n in groups.items():
         for part in [list(keys)] if schedule is None else schedule.split(list(keys)):
             _charge_moves(m, [moves[k] for k in part], n, part)

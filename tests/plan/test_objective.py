@@ -4,16 +4,20 @@ of a plan is what the step schedule prices it at where the model is exact."""
 from __future__ import annotations
 
 import pytest
+from torch import fx
 
 from shardwise.cost.hardware import get_hardware
 from shardwise.cost.step import price_plan, torchtitan_options
 from shardwise.ir.trace import Phase, trace_model
 from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
+from shardwise.passes.remat import ACPolicy
 from shardwise.plan import make_plan
 from shardwise.plan.cluster import TAIL, cluster
 from shardwise.plan.costs import PlannerCosts
+from shardwise.plan.ilp import build
 from shardwise.plan.objective import GRAD_SINK, Load, ScheduleObjective
+from shardwise.plan.planner import prepare_plan
 
 MESH = Mesh((2, 2), ("dp", "tp"), "h100")
 NO_TIME_S = 1e-9
@@ -154,3 +158,49 @@ def test_a_gradient_is_reduced_under_its_own_block_but_the_last_and_the_tails(ti
     last_layer = obj.terms[(Phase.BACKWARD, obj.last_layer)][Load.HIDDEN][0]
     layer_grads = [p for p in tiny.grads if p.startswith(f"layers.{obj.last_layer}.")]
     assert last_layer == pytest.approx(len(layer_grads) + len(tail))
+
+
+def _built(tr):
+    """The placement ILP of ``tr`` over MESH with the schedule objective, as the planner builds it."""
+    return prepare_plan(tr, MESH, step_options={"ac": ACPolicy.NONE})
+
+
+def _traced():
+    tr = trace_model("llama-tiny", layers=2, batch=8, seq=32)
+    canonicalize(tr)
+    return tr
+
+
+def test_the_same_graph_gives_the_same_model():
+    """The ILP is built in the graph's order, not in the order of sets of nodes (which follows
+    their hashes: another trace of the same model gave HiGHS its columns in another order)."""
+    first, second = (_built(_traced()).model.m for _ in range(2))
+    assert (first.cost, first.index, first.value, first.row_lb) == (second.cost, second.index, second.value,
+                                                                    second.row_lb)
+
+
+def test_a_move_several_readers_share_is_charged_to_the_first(tiny):
+    """A value moved to a placement once serves every reader that needs it there: the wait is
+    the first reader's (a forward one), not that of a backward reader that reuses the copy. The
+    ILP hands each producer's edges over in its readers' graph order, and the objective
+    charges the first one's block."""
+    order = {n: i for i, n in enumerate(tiny.gm.graph.nodes)}
+    tags = []
+
+    class Recorded(ScheduleObjective):
+        def charge(self, col, seconds, tag):
+            if not isinstance(tag, fx.Node):
+                tags.append(list(tag))
+            super().charge(col, seconds, tag)
+
+    prep = _built(tiny)
+    build(tiny, prep.ns, prep.clus, prep.costs, schedule=Recorded(tiny, prep.clus, prep.costs,
+                                                                   torchtitan_options(tiny)))
+    obj = _objective(tiny)
+    # an activation's readers in both phases (a root parameter's readers are one group too)
+    shared = [t for t in tags if {tiny.phase(k[1]) for k in t} == set(Phase) and not obj._is_param(t[0][0])]
+    assert shared and all(t == sorted(t, key=lambda k: (order[k[1]], k[2])) for t in tags)
+    obj.charge(0, 1.0, shared[0])
+    first = obj._block(shared[0][0][1])
+    assert first[0] is Phase.FORWARD
+    assert obj.terms == {obj.canon.get(first, first): {Load.EXPOSED: {0: 1.0}}}
