@@ -423,9 +423,12 @@ class _Scheduler:
 
     def _param_view_dst(self, u: fx.Node, dst: Placements) -> Placements:
         """The placement of the parameter itself that a view of it read in ``dst`` amounts to:
-        a 2-D transpose swaps the sharded dims."""
-        if u.target in (aten.t.default, aten.transpose.int) and is_view(u):
-            return tuple(Shard(1 - p.dim) if isinstance(p, Shard) and p.dim in (0, 1) else p for p in dst)
+        each 2-D transpose down the view chain swaps the sharded dims (the backward reads a
+        weight as ``t(t(w))``, the forward as ``t(w)``: one gather serves both)."""
+        while u.op == "call_function" and is_view(u) and u.all_input_nodes:
+            if u.target in (aten.t.default, aten.transpose.int):
+                dst = tuple(Shard(1 - p.dim) if isinstance(p, Shard) and p.dim in (0, 1) else p for p in dst)
+            u = u.all_input_nodes[0]
         return dst
 
     # ---- collectives ---------------------------------------------------------------------

@@ -19,6 +19,7 @@ from shardwise.cost.schedule import (
     union_length,
 )
 from shardwise.cost.topology import MeshTopology
+from shardwise.ir.regions import alias_root
 from shardwise.ir.trace import trace_model
 from shardwise.mesh import parse_mesh
 from shardwise.passes.pipeline import canonicalize
@@ -93,6 +94,29 @@ def test_fsdp_gathers_are_prefetched_and_reductions_overlap_the_backward():
     # reshard after forward: each layer weight is gathered in the forward and again in the backward
     gathers = [e for e in s.events if e.name.startswith("all_gather:") and e.region == 0]
     assert {e.phase for e in gathers} == {"forward", "backward"}
+
+
+@pytest.mark.parametrize("plan", ["fsdp", "fsdp_tp"])
+def test_the_last_layer_keeps_its_forward_gathers_for_its_backward(plan):
+    """torchtitan does not reshard the last layer after its forward: its backward reads the
+    weights its forward gathered over dp. The backward reads a weight as t(t(w)), the forward as
+    t(w): the same parameter placement once both transposes are undone (with one undone, every
+    tensor-parallel weight of the last layer was gathered over dp a second time)."""
+    traced, s = _schedule("2x4", "dp,tp", plan)
+    params = set(traced.params.values())
+
+    def weight_gathers_over_dp(layer: int) -> list[str]:
+        out = []
+        for e in s.events:
+            kind, _, name = e.name.partition(":")
+            if (kind == "all_gather" and e.stream.endswith(":dp") and e.region == layer
+                    and e.phase == "backward" and alias_root(traced.node(name)).name in params):
+                out.append(name)
+        return out
+
+    assert weight_gathers_over_dp(1) == []
+    # the first layer is resharded after its forward, and gathered over dp again
+    assert weight_gathers_over_dp(0)
 
 
 def test_async_tp_hides_tensor_parallel_collectives():
