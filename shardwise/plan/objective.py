@@ -74,6 +74,14 @@ behind it. Charged there, the optimum's objective is 54.01 ms against the schedu
 reduction to the kernels after its gradient, the rest of its block and then the next, brought
 that plan to 0.95 but DDP on a 1-D mesh from 1.02 to 1.07: not done.)
 
+The figures above predate a fix to the schedule (stop 25): its last layer gathered its
+tensor-parallel weights over dp again for the backward (``_param_view_dst`` undid one of the
+two transposes the backward reads them through), and now reuses the forward's. Since then,
+by ``benchmarks/objective_terms.py`` on the 2-layer case: the auto plan 54.01 against 52.57
+ms (1.027), fsdp_tp 156.0 against 127.0 (1.229), fsdp_tp_sp 156.5 against 125.2 (1.251): the
+objective over-charges something the old schedule's 23 ms of gathers made up for; not yet
+found.
+
 Exact where a plan has one stream's worth of communication: on one device the objective is
 the schedule's step (tests/plan/test_objective.py); on 1-D meshes the auto plan is within 1%
 of it and DDP within 3%; on 2x2 every hand plan within 30% (``ENVELOPE`` there).
@@ -221,7 +229,8 @@ class ScheduleObjective:
             # reshard_after_forward=False for the last block): its copy's backward pays nothing
             # (exact where the backward reads the placement the forward gathered, as FSDP does;
             # where it reads another, the schedule gathers again at the backward's start: on
-            # llama3-70b over 8x8 the ILP's plan does, 24 ms of weights left out of its price).
+            # llama3-70b, 8 layers over 8x8, the ILP's plan does: 2 x 9.8 ms of gathers left out of its
+            # price).
             # The root's too (FSDP2's root rule): ``split`` keeps its readers in one group, which
             # pays a move to a placement once over both phases.
             copies = self._copies(self._block(v))
