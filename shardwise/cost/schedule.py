@@ -76,7 +76,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch.distributed.tensor import Shard
 
 from shardwise.cost.memory import (
     ADAM_STATES,
@@ -96,7 +95,7 @@ from shardwise.ir.trace import Phase, Traced
 from shardwise.passes.remat import ACPolicy, AnyPolicy, recompute_plan
 from shardwise.plan.cluster import HEAD, TAIL, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
-from shardwise.plan.placement import Placements, placements_str
+from shardwise.plan.placement import Placements, placements_str, view_base_placements
 from shardwise.plan.plan import Plan, tensor_args
 from shardwise.plan.strategies import Strategy, flat_tensor_vals
 
@@ -408,7 +407,7 @@ class _Scheduler:
             # for it, "since FSDP would prefetch it immediately"): their forward gather stays.
             base = _base(u)
             kept = self._kept_gathered(reader.region)
-            key = (base, False, dst if u is base else self._param_view_dst(u, dst),
+            key = (base, False, view_base_placements(u, dst),
                    Phase.FORWARD if kept else reader.phase)
             if kept:
                 self.kept_gathered[key] = self._group(reader.region)
@@ -420,16 +419,6 @@ class _Scheduler:
         """The block of ``region`` keeps its gathered parameters from forward to backward: the
         root (everything outside the decoder layers) and the last layer."""
         return not 0 <= region < TAIL or region == self.last_layer
-
-    def _param_view_dst(self, u: fx.Node, dst: Placements) -> Placements:
-        """The placement of the parameter itself that a view of it read in ``dst`` amounts to:
-        each 2-D transpose down the view chain swaps the sharded dims (the backward reads a
-        weight as ``t(t(w))``, the forward as ``t(w)``: one gather serves both)."""
-        while u.op == "call_function" and is_view(u) and u.all_input_nodes:
-            if u.target in (aten.t.default, aten.transpose.int):
-                dst = tuple(Shard(1 - p.dim) if isinstance(p, Shard) and p.dim in (0, 1) else p for p in dst)
-            u = u.all_input_nodes[0]
-        return dst
 
     # ---- collectives ---------------------------------------------------------------------
     def _collective_steps(self, u: fx.Node, src: Placements, dst: Placements, scale: float = 1.0):

@@ -80,7 +80,7 @@ from shardwise.ir.regions import alias_root
 from shardwise.ir.trace import Phase, Traced
 from shardwise.plan.cluster import Clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
-from shardwise.plan.placement import Placements
+from shardwise.plan.placement import TRANSPOSES, Placements, view_base_placements
 from shardwise.plan.plan import tensor_args
 from shardwise.plan.solver import (
     MIP_REL_GAP,
@@ -335,6 +335,8 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         moves[(u, v, j)] = _add_edge(m, supply, demand,
                                      costs.move_times(list(supply), list(demand), producer.meta["val"]))
         demands[(u, v, j)] = demand
+    if schedule is not None:
+        _join_parameter_views(traced, out_keys, moves, demands)
     # Each group's edges in their consumers' graph order: the first is the reader the move runs
     # for (the schedule objective charges it to that reader's block), and the model is built
     # the same way on every run (a set's order follows the nodes' hashes).
@@ -483,6 +485,32 @@ def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Place
         m.row(0.0, 0.0, row)
     pi, qj = np.nonzero(finite & (times > 0.0))
     return _Paid(cols[pi, qj].tolist(), [id(dsts[j]) for j in qj.tolist()], times[pi, qj].tolist())
+
+
+def _join_parameter_views(traced: Traced, out_keys: dict[fx.Node, list[tuple[fx.Node, fx.Node, int]]],
+                          moves: dict[tuple[fx.Node, fx.Node, int], _Paid],
+                          demands: dict[tuple[fx.Node, fx.Node, int], dict[Placements, list[int]]]) -> None:
+    """A 2-D parameter's transposes (its forward reads ``t(w)``, its backward ``t(t(w))``) move
+    the same bytes, so their edges join the parameter's own, each destination mapped to the
+    placement of the parameter it amounts to: the group then pays one gather for every view read
+    in one placement, as FSDP2 gathers a parameter once however it is read (the step schedule's
+    ``_move_key``). Under the schedule objective only, which charges a parameter's groups by phase
+    (``ScheduleObjective.split``)."""
+    params = {traced.node(p) for p in traced.params.values()}
+    mapped: set[tuple[fx.Node, fx.Node, int]] = set()  # keys are the representatives': one per copy
+    for u in list(out_keys):
+        base = u
+        while base.op == "call_function" and base.target in TRANSPOSES:
+            base = base.args[0]
+        if base is u or base not in params or base.meta["val"].dim() != 2:
+            continue
+        for k in out_keys.pop(u):
+            if k in moves and k not in mapped:
+                mapped.add(k)
+                placed = {id(q): q for q in demands[k]}
+                moves[k] = replace(moves[k], dests=[id(intern(view_base_placements(u, placed[d])))
+                                                    for d in moves[k].dests])
+            out_keys[base].append(k)
 
 
 def _core_pairs(times: np.ndarray) -> np.ndarray:

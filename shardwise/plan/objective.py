@@ -18,9 +18,11 @@ every copy. Each cost term of the ILP goes to a block and a load:
 - a parameter's move (FSDP gather): HIDDEN in the block before its readers' (prefetched one
   block ahead, as FSDP2 does), once per phase (FSDP2 reshards after the forward and gathers
   again in the backward; the serial sum pays a value's move to a placement once); the first
-  block's, EXPOSED (nothing runs before it). Not so for the blocks FSDP2 keeps gathered from
-  the forward to the backward, as the schedule does: the last layer (its backward copy pays
-  nothing) and the root (one group over both phases);
+  block's, EXPOSED (nothing runs before it). A parameter and its transposes are one producer
+  (``ilp.py``: the backward reads a weight as t(t(w)), the forward as t(w)). Not so for the
+  blocks FSDP2 keeps gathered from the forward to the backward, as the schedule does: the last
+  layer and the root pay a placement once over both phases, their backward only for one the
+  forward did not gather;
 - a gradient reduction: HIDDEN in its gradient's block, in fp32 under torchtitan's mixed
   precision (``reduce_fp32``: the time scaled by the byte ratio); the last block's (the head's:
   the embedding's) EXPOSED, after the backward's last kernel; the tail's (the output weight's,
@@ -74,13 +76,15 @@ behind it. Charged there, the optimum's objective is 54.01 ms against the schedu
 reduction to the kernels after its gradient, the rest of its block and then the next, brought
 that plan to 0.95 but DDP on a 1-D mesh from 1.02 to 1.07: not done.)
 
-The figures above predate a fix to the schedule (stop 25): its last layer gathered its
-tensor-parallel weights over dp again for the backward (``_param_view_dst`` undid one of the
-two transposes the backward reads them through), and now reuses the forward's. Since then,
-by ``benchmarks/objective_terms.py`` on the 2-layer case: the auto plan 54.01 against 52.57
-ms (1.027), fsdp_tp 156.0 against 127.0 (1.229), fsdp_tp_sp 156.5 against 125.2 (1.251): the
-objective over-charges something the old schedule's 23 ms of gathers made up for; not yet
-found.
+The figures above predate two fixes. The schedule's last layer gathered its tensor-parallel
+weights over dp again for the backward (it undid one of the two transposes the backward reads
+them through); the objective charged the root's output weight twice (its t(w) and t(t(w))
+were two producers) and the last layer's backward nothing (a plan reading another placement
+there had those gathers free: on llama3-70b, 8 layers, the ILP's plan did, 2 x 9.8 ms). Since
+then, by ``benchmarks/objective_terms.py``: 2 layers, the auto plan 54.01 against 52.62 ms
+(1.026), fsdp_tp 138.2 against 126.7 (1.091), fsdp_tp_sp 138.7 against 125.3 (1.107);
+llama3-70b 8 layers over 8x8 at seq 4096, the auto plan 209.8 against 225.3 ms (0.931; the
+plan before, 247.1 by the schedule), fsdp_tp 0.975, fsdp_tp_sp 0.995.
 
 Exact where a plan has one stream's worth of communication: on one device the objective is
 the schedule's step (tests/plan/test_objective.py); on 1-D meshes the auto plan is within 1%
@@ -184,6 +188,12 @@ class ScheduleObjective:
         """``node`` lies outside the decoder layers (FSDP2's root module)."""
         return not 0 <= self._block(node)[1] < TAIL
 
+    def _kept(self, v: fx.Node) -> bool:
+        """A parameter that backward reader ``v`` reads stays gathered from the forward. (Keys
+        are the representatives': a forward reader of the last layer stands for every layer of
+        its cluster, its backward readers, a cluster of their own, for the last layer's.)"""
+        return self._root(v) or self._block(v)[1] == self.last_layer
+
     def _is_param(self, u: fx.Node) -> bool:
         while u.op == "call_function" and is_view(u) and u.all_input_nodes:
             u = u.all_input_nodes[0]
@@ -224,19 +234,12 @@ class ScheduleObjective:
                     self._add(c, Load.HIDDEN, col, seconds / len(copies))
         elif j != LOSS_SINK and self._is_param(u):
             # Prefetched: gathered while the block before runs (FSDP2's implicit prefetch); the
-            # first block's, before anything runs. The last layer's parameters stay gathered
-            # from the forward to the backward (the schedule's ``_kept_gathered``: torchtitan's
-            # reshard_after_forward=False for the last block): its copy's backward pays nothing
-            # (exact where the backward reads the placement the forward gathered, as FSDP does;
-            # where it reads another, the schedule gathers again at the backward's start: on
-            # llama3-70b, 8 layers over 8x8, the ILP's plan does: 2 x 9.8 ms of gathers left out of its
-            # price).
-            # The root's too (FSDP2's root rule): ``split`` keeps its readers in one group, which
-            # pays a move to a placement once over both phases.
+            # first block's, before anything runs. ``tag`` lists the readers that need the
+            # placement: where the parameter stays gathered from the forward to the backward
+            # (``split``), its first is a forward reader, or a backward one for a placement
+            # only the backward reads (gathered before the backward's block, as the schedule does).
             copies = self._copies(self._block(v))
             for c in copies:
-                if c[0] is Phase.BACKWARD and c[1] == self.last_layer:
-                    continue
                 before = self.pred.get(c)
                 load = Load.HIDDEN if before is not None else Load.EXPOSED
                 self._add(before if before is not None else c, load, col, seconds / len(copies))
@@ -253,11 +256,15 @@ class ScheduleObjective:
         self._add((Phase.BACKWARD, self._block(node)[1]), Load.COMPUTE, col, seconds)
 
     def split(self, keys: Sequence[EdgeKey]) -> list[list[EdgeKey]]:
-        """One producer's edges into the groups that each pay a move to a placement once: a
-        parameter's forward and backward readers apart (FSDP2 gathers it again in the backward)."""
+        """One producer's edges (a parameter's: those of its transposes too, ``ilp.py``) into the
+        groups that each pay a move to a placement once: a parameter's forward and backward
+        readers apart (FSDP2 gathers it again in the backward), except where its gathers stay
+        from the forward to the backward (the schedule's ``_kept_gathered``): the root's
+        (FSDP2's root rule) and the last layer's (torchtitan's reshard_after_forward=False for
+        the last block), whose backward pays only for a placement the forward did not gather."""
         u = keys[0][0] if keys else None
-        if u is None or not self._is_param(u) or all(self._root(k[1]) for k in keys):
-            # the root's parameters stay gathered from the forward to the backward (below)
+        if u is None or not self._is_param(u) or all(self._kept(k[1]) for k in keys
+                                                     if self.traced.phase(k[1]) is Phase.BACKWARD):
             return [list(keys)]
         by_phase: dict[Phase, list[EdgeKey]] = defaultdict(list)
         for k in keys:

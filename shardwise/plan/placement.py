@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import re
 
+import torch
+from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from shardwise.errors import UserError
+from shardwise.ir.flops import is_view
+
+TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.transpose.int)
 
 Placements = tuple[Placement, ...]
 
@@ -55,3 +60,14 @@ def on_mesh(ps: Placements, mesh_shape: tuple[int, ...]) -> Placements:
     is the whole tensor. Plans use only this form, so that equal layouts are one choice (and
     DTensor is never asked to move a tensor between two spellings of it)."""
     return tuple(Replicate() if m == 1 else p for p, m in zip(ps, mesh_shape, strict=True))
+
+
+def view_base_placements(u: fx.Node, dst: Placements) -> Placements:
+    """The placement of the node at the base of ``u``'s view chain that reading ``u`` in ``dst``
+    amounts to: each 2-D transpose down the chain swaps the sharded dims (a weight's forward
+    reads it as ``t(w)``, its backward as ``t(t(w))``: one gather of ``w`` serves both)."""
+    while u.op == "call_function" and is_view(u) and u.all_input_nodes:
+        if u.target in TRANSPOSES:
+            dst = tuple(Shard(1 - p.dim) if isinstance(p, Shard) and p.dim in (0, 1) else p for p in dst)
+        u = u.all_input_nodes[0]
+    return dst

@@ -8,6 +8,7 @@ from torch import fx
 
 from shardwise.cost.hardware import get_hardware
 from shardwise.cost.step import price_plan, torchtitan_options
+from shardwise.ir.regions import alias_root
 from shardwise.ir.trace import Phase, trace_model
 from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
@@ -121,21 +122,39 @@ def test_every_hand_plan_is_priced_within_the_documented_envelope(tiny256, name)
     assert plan.info["objective_s"] == pytest.approx(step, rel=ENVELOPE)
 
 
-def test_the_last_layer_is_not_gathered_again_for_its_backward(tiny):
-    """torchtitan keeps the last block's parameters gathered from the forward to the backward
-    (the schedule prices it so): the backward gather of every other layer is prefetched in the
-    block before it, the last layer's costs nothing."""
-    def charged(layer: int) -> dict:
-        obj = _objective(tiny)
-        assert obj.last_layer == 1
-        w = tiny.node(tiny.params[f"layers.{layer}.attention.wq.weight"])
-        bwd = next(u for n in [w, *w.users] for u in n.users if tiny.phase(u) is Phase.BACKWARD)
-        assert obj._block(bwd) == (Phase.BACKWARD, layer)
-        obj.charge(0, 1.0, [(w, bwd, 0)])
-        return {(b, load): sum(t.values()) for b, loads in obj.terms.items() for load, t in loads.items()}
+def test_the_last_layer_keeps_its_forward_gathers_for_its_backward(tiny):
+    """torchtitan keeps the last block's parameters gathered from the forward to the backward,
+    and the schedule prices it so. The ILP groups a weight's edges over all its transposes (the
+    forward reads t(w), the backward t(t(w))); the objective keeps the last layer's in one
+    group, which pays a placement once, at its first (forward) reader. Every other layer's
+    backward gathers again, in a group of its own."""
+    splits = []
 
-    assert charged(0) == {((Phase.BACKWARD, 1), Load.HIDDEN): 1.0}
-    assert charged(1) == {}
+    class Recorded(ScheduleObjective):
+        def split(self, keys):
+            splits.append(super().split(keys))
+            return splits[-1]
+
+    prep = _built(tiny)
+    obj = Recorded(tiny, prep.clus, prep.costs, torchtitan_options(tiny))
+    build(tiny, prep.ns, prep.clus, prep.costs, schedule=obj)
+    wq = prep.clus.rep[tiny.node(tiny.params["layers.0.attention.wq.weight"])]
+    by_layer = {}
+    for groups in splits:
+        keys = [k for g in groups for k in g]
+        if keys and alias_root(keys[0][0]) is wq:
+            bwd = {obj._block(k[1])[1] for k in keys if tiny.phase(k[1]) is Phase.BACKWARD}
+            by_layer[bwd.pop()] = groups
+    assert sorted(by_layer) == [0, 1]
+    assert [{tiny.phase(k[1]) for k in g} for g in by_layer[0]] == [{Phase.FORWARD}, {Phase.BACKWARD}]
+    (last,) = by_layer[1]
+    assert {tiny.phase(k[1]) for k in last} == set(Phase)
+    assert len({k[0] for k in last}) >= 2  # t(w) and t(t(w)), one group
+
+    plain = _objective(tiny)
+    plain.charge(0, 1.0, last)
+    assert {b[0] for b in plain.terms} == {Phase.FORWARD}
+    assert sum(t for loads in plain.terms.values() for t in loads[Load.HIDDEN].values()) == pytest.approx(1.0)
 
 
 def test_a_gradient_is_reduced_under_its_own_block_but_the_last_and_the_tails(tiny):
