@@ -76,11 +76,12 @@ from torch import fx
 from torch.distributed.tensor import Replicate
 
 from shardwise.ir.flops import is_view
+from shardwise.ir.match import is_transpose_2d
 from shardwise.ir.regions import alias_root
 from shardwise.ir.trace import Phase, Traced
 from shardwise.plan.cluster import Clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
-from shardwise.plan.placement import TRANSPOSES, Placements, view_base_placements
+from shardwise.plan.placement import Placements, view_base_placements
 from shardwise.plan.plan import tensor_args
 from shardwise.plan.solver import (
     MIP_REL_GAP,
@@ -500,9 +501,9 @@ def _join_parameter_views(traced: Traced, out_keys: dict[fx.Node, list[tuple[fx.
     mapped: set[tuple[fx.Node, fx.Node, int]] = set()  # keys are the representatives': one per copy
     for u in list(out_keys):
         base = u
-        while base.op == "call_function" and base.target in TRANSPOSES:
+        while is_transpose_2d(base):
             base = base.args[0]
-        if base is u or base not in params or base.meta["val"].dim() != 2:
+        if base is u or base not in params:
             continue
         for k in out_keys.pop(u):
             if k in moves and k not in mapped:

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import re
 
-import torch
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from shardwise.errors import UserError
 from shardwise.ir.flops import is_view
-
-TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.transpose.int)
+from shardwise.ir.match import is_transpose_2d
 
 Placements = tuple[Placement, ...]
 
@@ -67,7 +65,7 @@ def view_base_placements(u: fx.Node, dst: Placements) -> Placements:
     amounts to: each 2-D transpose down the chain swaps the sharded dims (a weight's forward
     reads it as ``t(w)``, its backward as ``t(t(w))``: one gather of ``w`` serves both)."""
     while u.op == "call_function" and is_view(u) and u.all_input_nodes:
-        if u.target in TRANSPOSES:
+        if is_transpose_2d(u):
             dst = tuple(Shard(1 - p.dim) if isinstance(p, Shard) and p.dim in (0, 1) else p for p in dst)
         u = u.all_input_nodes[0]
     return dst

@@ -55,6 +55,8 @@ FEASIBILITY_TOL = 1e-7
 # HiGHS's default MIP feasibility tolerance (option mip_feasibility_tolerance): an integer
 # column of the LP solution this close to 0 or 1 is integral.
 INTEGRALITY_TOL = 1e-6
+# HiGHS's primal_solution_status for a feasible point.
+FEASIBLE_SOLUTION = int(highspy.SolutionStatus.kSolutionStatusFeasible)
 # How far HiGHS's reported objective may stray from its solution's cost (relative; ``_consistent``).
 CONSISTENCY_TOL = 1e-6
 # Pricing rounds before giving up on the restricted LP (llama3-8b and 70B over 8x8 converge in
@@ -295,7 +297,7 @@ def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
     info = h.getInfo()
     bound = float(info.mip_dual_bound)
     bound = bound if math.isfinite(bound) else -math.inf
-    if info.primal_solution_status != 2:  # kSolutionStatusFeasible: no plan
+    if info.primal_solution_status != FEASIBLE_SOLUTION:  # no plan
         label = "infeasible" if status == highspy.HighsModelStatus.kInfeasible else "unsolved"
         return Solved(label, math.inf, bound, None, columns=n)
     label = "optimal" if status == highspy.HighsModelStatus.kOptimal else "feasible"
@@ -306,7 +308,7 @@ def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
 def _consistent(h: highspy.Highs) -> bool:
     """Whether the objective HiGHS reports is the cost of the solution it returns."""
     info = h.getInfo()
-    if info.primal_solution_status != 2:
+    if info.primal_solution_status != FEASIBLE_SOLUTION:
         return True
     cost = float(np.dot(h.getLp().col_cost_, h.getSolution().col_value))
     return abs(cost - float(info.objective_function_value)) <= CONSISTENCY_TOL * max(1.0, abs(cost))
