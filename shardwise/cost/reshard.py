@@ -25,6 +25,15 @@ moment (other dims' shards included):
 
 A tensor dim that does not divide evenly by its shards (at any step) is priced ``math.inf``: the
 planner keeps to even shards, and DTensor's padded collectives move more than the bytes above.
+
+The order of the mesh dims is ours to choose (``reshard_path``). DTensor's greedy plan reduces a
+gradient that is partial over both dims of a (dp, tp) mesh, ``(P, P) -> (R, S(0))``, outer dim
+first: an all_reduce over dp of the whole local tensor, then a reduce_scatter over tp. Reduced
+over tp first, the slow dp link carries 1/tp of the bytes (Qwen2-7B over 8x8, an MLP weight's
+gradient: 11.4 + 0.7 ms -> 0.7 + 1.4 ms), and the tp stream no longer waits behind the dp
+reduction. So a move is priced, and lowered, as the cheapest of DTensor's one plan and one
+``redistribute`` per changed mesh dim in each order of them; the lowering redistributes through
+the same intermediate placements (``lower/spmd.py``), so the collectives priced are the ones run.
 Not modelled: DTensor merging consecutive same-kind steps into one collective over a flattened
 mesh, which it does only when the user has created that flattened mesh (``mesh._flatten``).
 """
@@ -32,6 +41,7 @@ mesh, which it does only when the user has created that flattened mesh (``mesh._
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -65,6 +75,9 @@ class ReshardCost:
 
 IMPOSSIBLE = ReshardCost(math.inf)
 FREE = ReshardCost(0.0)
+# A path of one redistribute per mesh dim replaces DTensor's one plan only when cheaper by this
+# fraction: a rounding difference keeps DTensor's.
+PATH_GAIN = 1e-9
 
 
 @dataclass(frozen=True)
@@ -137,13 +150,51 @@ def local_shape(placements: Placements, global_shape: tuple[int, ...],
 
 
 @functools.lru_cache(maxsize=1 << 20)
-def reshard_cost(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
-                 topology: MeshTopology) -> ReshardCost:
-    """Time and collectives of redistributing a tensor from ``src`` to ``dst`` placements."""
+def reshard_path(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
+                 topology: MeshTopology) -> tuple[tuple[Placements, ...], ReshardCost]:
+    """The cheapest way to redistribute from ``src`` to ``dst``: the placements it passes
+    through (each reached by one DTensor ``redistribute``; the last is ``dst``) and its cost.
+    DTensor's own plan in one ``redistribute`` unless visiting the changed mesh dims one at a
+    time, in some order, is cheaper. A hop never makes a dim ``Partial`` (the lowering does that
+    locally, before any ``redistribute``)."""
     mesh = topology.mesh_shape
-    ndim = len(global_shape)
     if len(src) != len(mesh) or len(dst) != len(mesh):
         raise ValueError(f"placements {src} -> {dst} do not match the {len(mesh)}-dim mesh {mesh}")
+    best = ((tuple(dst),), _dtensor_cost(tuple(src), tuple(dst), tuple(global_shape), itemsize, topology))
+    s, d = _normalise(src, len(global_shape)), _normalise(dst, len(global_shape))
+    if s is None or d is None or not best[1].possible:
+        return best
+    changed = [i for i, (a, b) in enumerate(zip(s, d, strict=True)) if a != b]
+    if len(changed) < 2 or any(isinstance(d[i], Partial) for i in changed):
+        return best
+    for order in itertools.permutations(changed):
+        hops, current = [], list(s)
+        for i in order:
+            current[i] = d[i]
+            hops.append(tuple(current))
+        time_s, uses, at = 0.0, [], s
+        for hop in hops:
+            cost = _dtensor_cost(at, hop, tuple(global_shape), itemsize, topology)
+            time_s, uses, at = time_s + cost.time_s, uses + list(cost.collectives), hop
+        # Strictly cheaper only: on a tie DTensor's one redistribute is kept.
+        if time_s < best[1].time_s * (1.0 - PATH_GAIN):
+            best = (tuple(hops), ReshardCost(time_s, tuple(uses)))
+    return best
+
+
+def reshard_cost(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
+                 topology: MeshTopology) -> ReshardCost:
+    """Time and collectives of redistributing a tensor from ``src`` to ``dst`` placements, by the
+    cheapest path (``reshard_path``)."""
+    return reshard_path(src, dst, global_shape, itemsize, topology)[1]
+
+
+@functools.lru_cache(maxsize=1 << 20)
+def _dtensor_cost(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
+                  topology: MeshTopology) -> ReshardCost:
+    """Time and collectives of one DTensor ``redistribute`` from ``src`` to ``dst``."""
+    mesh = topology.mesh_shape
+    ndim = len(global_shape)
     s, d = _normalise(src, ndim), _normalise(dst, ndim)
     if s is None or d is None or _mixed_partials(s) or _mixed_partials(d):
         return IMPOSSIBLE

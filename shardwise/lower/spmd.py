@@ -59,6 +59,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shardwise.cost.reshard import reshard_path
+from shardwise.cost.topology import MeshTopology
 from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh, destroy_world
@@ -201,7 +203,7 @@ class SPMDProgram:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(tuple(self.plan.mesh_shape), tuple(self.plan.mesh_names), self.plan.hardware)
+        return _plan_mesh(self.plan)
 
     @property
     def world_size(self) -> int:
@@ -266,6 +268,10 @@ def _planner_rules() -> dict:
     return RULES
 
 
+def _plan_mesh(plan: Plan) -> Mesh:
+    return Mesh(tuple(plan.mesh_shape), tuple(plan.mesh_names), plan.hardware)
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for d in reversed(shape):
@@ -281,6 +287,7 @@ class _Lowerer(fx.Interpreter):
         super().__init__(gm, garbage_collect_values=True)
         self.plan = plan
         self.mesh = mesh
+        self.topology = MeshTopology.from_mesh(_plan_mesh(plan))
         self.device = device
         self.rules = _planner_rules()
         self.unplanned: list[str] = []
@@ -307,7 +314,15 @@ class _Lowerer(fx.Interpreter):
             return v
         v = self._to_partial(v, tuple(want))
         if tuple(v.placements) != tuple(want):
-            v = v.redistribute(self.mesh, want)
+            v = self._redistribute(v, tuple(want))
+        return v
+
+    def _redistribute(self, v: DTensor, want: Placements) -> DTensor:
+        """``v`` redistributed to ``want`` through the placements the planner priced the move by
+        (``cost/reshard.reshard_path``: one mesh dim at a time where that is cheaper)."""
+        hops, _ = reshard_path(tuple(v.placements), want, tuple(v.shape), v.element_size(), self.topology)
+        for hop in hops:
+            v = v.redistribute(self.mesh, hop)
         return v
 
     def _to_partial(self, v: DTensor, want: Placements) -> DTensor:
@@ -323,7 +338,7 @@ class _Lowerer(fx.Interpreter):
         # Partial in one placement list, so a P(max) elsewhere must be resolved before).
         mid = tuple(Replicate() if i in dims else w for i, w in enumerate(want))
         if mid != cur:
-            v = v.redistribute(self.mesh, mid)
+            v = self._redistribute(v, mid)
         local = v.to_local()
         for i in dims:
             if want[i].reduce_op == "sum":
@@ -340,7 +355,7 @@ class _Lowerer(fx.Interpreter):
                 self.unplanned.append(
                     f"{node.name}: {placements_str(d.placements)} -> {placements_str(want)}")
                 log.debug("%s came out as %s, plan says %s", node.format_node(), d.placements, want)
-            d = d.redistribute(self.mesh, want)
+            d = self._redistribute(d, tuple(want))
         return d
 
     def _place_once(self, name: str, v: object, want: Placements | None) -> object:
@@ -545,7 +560,7 @@ def check_plan(traced: Traced, plan: Plan) -> None:
 def lower(traced: Traced, plan: Plan, *, rank: int = 0) -> SPMDProgram:
     """The program rank ``rank`` runs under ``plan`` (lowered on a fake process group)."""
     check_plan(traced, plan)
-    mesh = Mesh(tuple(plan.mesh_shape), tuple(plan.mesh_names), plan.hardware)
+    mesh = _plan_mesh(plan)
     if not 0 <= rank < mesh.size:
         raise UserError(f"rank {rank} is outside the mesh of {mesh.size} devices.")
     return lower_on(traced, plan, _fake_mesh(mesh, rank), rank=rank)

@@ -1,5 +1,6 @@
-"""reshard_cost predicts the collectives DTensor's redistribute emits: traced with make_fx under a
-fake process group, counted with ``all_collectives``, bytes by the nccl-tests convention."""
+"""reshard_cost predicts the collectives DTensor's redistribute emits along the path the move
+takes (``reshard_path``: one redistribute, or one per mesh dim): traced with make_fx under a fake
+process group, counted with ``all_collectives``, bytes by the nccl-tests convention."""
 
 import itertools
 import math
@@ -10,7 +11,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardwise.cost.reshard import local_shape, plan_steps, reshard_cost
+from shardwise.cost.reshard import local_shape, plan_steps, reshard_cost, reshard_path
 from shardwise.cost.topology import MeshTopology
 from shardwise.ir.match import CollectiveKind as K
 from shardwise.ir.match import all_collectives
@@ -21,8 +22,9 @@ GLOBAL = (8, 16)
 FLOAT_BYTES = 4
 
 
-def emitted(mesh_shape, src, dst, global_shape):
-    """(kind, bytes) of every collective DTensor emits for src -> dst, or None if it refuses."""
+def emitted(mesh_shape, src, dst, global_shape, hops=None):
+    """(kind, bytes) of every collective DTensor emits for src -> dst (through the placements
+    ``hops``, one redistribute each; by default straight to ``dst``), or None if it refuses."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
@@ -30,8 +32,12 @@ def emitted(mesh_shape, src, dst, global_shape):
     meta = TensorMeta(torch.Size(global_shape), torch.empty(global_shape).stride(), torch.float32)
 
     def f(x):  # the internal entry point: it also takes R -> P, which only ops ask for
-        return redistribute_local_tensor(x, DTensorSpec(dm, src, tensor_meta=meta),
-                                         DTensorSpec(dm, dst, tensor_meta=meta))
+        at = src
+        for hop in hops or (dst,):
+            x = redistribute_local_tensor(x, DTensorSpec(dm, at, tensor_meta=meta),
+                                          DTensorSpec(dm, hop, tensor_meta=meta))
+            at = hop
+        return x
 
     try:
         gm = make_fx(f, tracing_mode="fake")(torch.randn(local_shape(src, global_shape, mesh_shape)))
@@ -61,8 +67,8 @@ HAND_PICKED = [
 @pytest.mark.parametrize("src, dst", HAND_PICKED + _pairs(2, 10, seed=3))
 def test_predicted_collectives_match_dtensor(mesh_shape, src, dst):
     topo = MeshTopology(mesh_shape, "cpu")
-    got = emitted(mesh_shape, src, dst, GLOBAL)
-    cost = reshard_cost(src, dst, GLOBAL, FLOAT_BYTES, topo)
+    hops, cost = reshard_path(src, dst, GLOBAL, FLOAT_BYTES, topo)
+    got = emitted(mesh_shape, src, dst, GLOBAL, hops)
     if got is None:
         assert cost.time_s == math.inf
         return
@@ -81,8 +87,8 @@ def test_one_dim_mesh_matches_dtensor(src, dst):
 def test_three_dim_mesh_matches_dtensor():
     shape = (8, 16, 4)
     for src, dst in [((S0, S1, S0), (R, S0, S2)), ((P, S2, S0), (S1, R, R)), ((S0, S0, S0), (S1, S1, S1))]:
-        got = emitted((2, 2, 2), src, dst, shape)
-        cost = reshard_cost(src, dst, shape, FLOAT_BYTES, MeshTopology((2, 2, 2), "cpu"))
+        hops, cost = reshard_path(src, dst, shape, FLOAT_BYTES, MeshTopology((2, 2, 2), "cpu"))
+        got = emitted((2, 2, 2), src, dst, shape, hops)
         assert [(u.kind, u.bytes) for u in cost.collectives] == got
 
 
@@ -122,9 +128,27 @@ def test_cross_node_dim_costs_more_and_calls_are_cached():
     dp = reshard_cost((S0, R), (R, R), shape, 2, topo)
     tp = reshard_cost((R, S0), (R, R), shape, 2, topo)
     assert dp.collectives[0].bytes == tp.collectives[0].bytes and dp.time_s > 3 * tp.time_s
-    hits = reshard_cost.cache_info().hits
+    hits = reshard_path.cache_info().hits
     reshard_cost((S0, R), (R, R), shape, 2, MeshTopology((8, 8), "h100"))
-    assert reshard_cost.cache_info().hits == hits + 1
+    assert reshard_path.cache_info().hits == hits + 1
+
+
+def test_a_gradient_partial_over_both_dims_is_reduced_over_the_fast_dim_first():
+    """(P, P) -> (R, S(0)) over (dp across nodes, tp within one): DTensor's one redistribute
+    all-reduces the whole tensor over dp, then reduce-scatters over tp; reduce-scattered over tp
+    first, dp carries 1/8 of the bytes. A move DTensor already does best keeps its one hop."""
+    topo = MeshTopology((8, 8), "h100")
+    shape = (4096, 14336)
+    hops, cost = reshard_path((P, P), (R, S0), shape, 2, topo)
+    assert hops == ((P, S0), (R, S0))
+    assert [(u.kind, u.mesh_dim) for u in cost.collectives] == [(K.REDUCE_SCATTER, 1), (K.ALL_REDUCE, 0)]
+    assert cost.collectives[1].bytes * 8 == cost.collectives[0].bytes
+    full = math.prod(shape) * 2
+    straight = topo.collective_time(K.ALL_REDUCE, full, 0) + topo.collective_time(K.REDUCE_SCATTER, full, 1)
+    assert cost.time_s < straight / 3
+    assert reshard_path((S0, R), (R, R), shape, 2, topo)[0] == ((R, R),)
+    # a dim made Partial is the lowering's local step, never a hop
+    assert reshard_path((S0, R), (R, P), shape, 2, topo)[0] == ((R, P),)
 
 
 def test_plan_replicates_misaligned_nested_shards_first():
