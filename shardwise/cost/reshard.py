@@ -17,8 +17,8 @@ moment (other dims' shards included):
     Partial -> Replicate      all_reduce      bytes = local tensor
     Shard   -> Replicate      all_gather      bytes = gathered output (local * n)
     Partial -> Shard          reduce_scatter  bytes = local input
-    Shard(i) -> Shard(j)      all_to_all      bytes = local input (on CPU meshes DTensor falls back
-                                              to all_gather + chunk: bytes = local * n)
+    Shard(i) -> Shard(j)      all_to_all      bytes = local input (the lowering's, on every device
+                                              type: DTensor's own on CPU is all_gather + chunk)
     Replicate -> Shard        local slice, free
     Replicate -> Partial      local (zeros on the other ranks), free
     Shard -> Partial, Partial(a) -> Partial(b), mixed partials: impossible, ``math.inf``
@@ -52,8 +52,6 @@ from shardwise.cost.topology import MeshTopology
 from shardwise.ir.match import CollectiveKind
 
 Placements = tuple[Placement, ...]
-# Device types on which DTensor's Shard(i) -> Shard(j) is all_gather + chunk (gloo has no all_to_all).
-ALLGATHER_FOR_ALL_TO_ALL = frozenset({"cpu"})
 
 
 @dataclass(frozen=True)
@@ -210,7 +208,7 @@ def _dtensor_cost(src: Placements, dst: Placements, global_shape: tuple[int, ...
         new_shape = local_shape(tuple(current), tuple(global_shape), mesh)
         if new_shape is None:
             return IMPOSSIBLE
-        use = _step_collective(step, n, math.prod(shape) * itemsize, topology)
+        use = _step_collective(step, n, math.prod(shape) * itemsize)
         if use is IMPOSSIBLE:
             return IMPOSSIBLE
         shape = new_shape
@@ -220,7 +218,7 @@ def _dtensor_cost(src: Placements, dst: Placements, global_shape: tuple[int, ...
     return ReshardCost(time_s, tuple(uses))
 
 
-def _step_collective(step: Step, n: int, local_bytes: int, topology: MeshTopology):
+def _step_collective(step: Step, n: int, local_bytes: int):
     """The collective one step runs (None: a local op or a size-1 mesh dim; IMPOSSIBLE)."""
     a, b, dim = step.src, step.dst, step.mesh_dim
     if n == 1:  # DTensor skips every step on a size-1 mesh dim, before looking at the placements
@@ -238,6 +236,4 @@ def _step_collective(step: Step, n: int, local_bytes: int, topology: MeshTopolog
         return CollectiveUse(CollectiveKind.REDUCE_SCATTER, dim, local_bytes)
     if isinstance(a, Replicate):
         return None
-    if topology.hw.device_type in ALLGATHER_FOR_ALL_TO_ALL:
-        return CollectiveUse(CollectiveKind.ALL_GATHER, dim, local_bytes * n)
     return CollectiveUse(CollectiveKind.ALL_TO_ALL, dim, local_bytes)

@@ -116,3 +116,30 @@ def test_shard_on_a_missing_dim_is_refused():
     traced = tiny_mlp_traced()
     with pytest.raises(UserError, match="cannot be sharded on dim 1"):
         lower(traced, hand_plan(traced, (2,), (Shard(1),), (R,)))
+
+
+
+def test_a_move_cheaper_one_mesh_dim_at_a_time_is_lowered_through_its_hops():
+    """``x * 2`` with ``x`` partial over both mesh dims, read as (R, S(0)): DTensor's one
+    redistribute all-reduces the whole tensor over dp, then reduce-scatters over tp; the planner
+    prices (and the lowering runs) the reduce-scatter over tp first, then an all-reduce of half
+    the bytes over dp: the collectives run are the ones ``reshard_cost`` priced."""
+    from shardwise.cost.reshard import reshard_cost
+    from shardwise.cost.topology import MeshTopology
+    from shardwise.ir.match import CollectiveKind as K
+    from shardwise.ir.trace import trace
+    from shardwise.plan.plan import NodeSpec
+    from tests.lower.hand_plans import Double
+
+    traced = trace(Double(), torch.randn(8, 8), train=False, model_name="double")
+    plan = hand_plan(traced, (2, 2), (R, R), (Partial(), Partial()))
+    plan.nodes[traced.outputs[0]] = NodeSpec(((R, S0),), ((R, S0),))
+    prog = lower(traced, plan)
+    colls = all_collectives(prog.gm.graph)
+    assert [c.kind for c in colls] == [K.REDUCE_SCATTER, K.ALL_REDUCE]
+    assert [prog.group_dims[c.group_name] for c in colls] == [1, 0]
+    priced = reshard_cost((Partial(), Partial()), (R, S0), (8, 8), 4, MeshTopology((2, 2), "h100"))
+    assert as_json(count_graph(prog.gm)) == {
+        "reduce_scatter": {"count": 1, "bytes": priced.collectives[0].bytes},
+        "all_reduce": {"count": 1, "bytes": priced.collectives[1].bytes}}
+    assert priced.collectives[0].bytes == 2 * priced.collectives[1].bytes == 8 * 8 * 4
