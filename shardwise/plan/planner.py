@@ -443,7 +443,10 @@ def _baseline_with_ac(traced: Traced, mesh: Mesh, name: str, limit: float, optio
 def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, constraints,
                      starts: list[Plan], options: dict, price: _Pricer) -> Plan:
     """Solve again with the ILP's budget set from the step schedule (``FIT_ROUNDS`` at most):
-    first the limit less what the schedule held beyond the ILP's memory row in the last plan;
+    first the limit less what the schedule held beyond the ILP's memory row in the last plan
+    (or, after two plans that do not fit, where the line through their budgets and peaks
+    reaches the limit, if that is lower: what the schedule holds beyond the row grows as the
+    budget shrinks, so the first rule alone can take more rounds than there are);
     once one budget gave a plan that fits and another one that does not, halfway between them.
     Returns the fastest plan that fits by the schedule, else the last one solved. A solve is
     skipped where the bounds of the last ones show no plan cheaper by FIT_GAIN can come of it;
@@ -456,6 +459,8 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
     best: tuple[float, Plan] | None = None
     fits_at, over_at = -math.inf, math.inf  # the largest budget that fit, the smallest that did not
     bound_over = math.inf  # the ILP's bound at over_at: no smaller budget gives a cheaper plan
+    target = limit * (1.0 - FIT_SLACK)
+    last: tuple[float, float] | None = None  # (budget, schedule's peak) of the last plan
     for k in range(FIT_ROUNDS + 1):
         est = price(auto)
         log.info("ILP budget %s: AC %s, memory row %s, step %.4f s, peak %s (%s)", format_bytes(budget),
@@ -475,7 +480,11 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
             if _objective_s(best[1]) <= (1.0 + FIT_GAIN) * bound_over:
                 break  # no budget between gives a plan cheaper by more than FIT_GAIN
         else:
-            new = limit * (1.0 - FIT_SLACK) - (est.memory_per_device_bytes - auto.estimate.memory_bytes)
+            new = target - (est.memory_per_device_bytes - auto.estimate.memory_bytes)
+            if not est.fits and last is not None and last[1] > est.memory_per_device_bytes:
+                slope = (last[1] - est.memory_per_device_bytes) / (last[0] - budget)
+                if slope > 0.0:
+                    new = min(new, budget - (est.memory_per_device_bytes - target) / slope)
             if est.fits and new < budget:
                 break  # a lower budget cannot give a faster plan
             if est.fits and _objective_s(auto) <= (1.0 + FIT_GAIN) * auto.info.get("bound_any_budget_s", 0.0):
@@ -485,7 +494,7 @@ def _fit_by_schedule(traced: Traced, mesh: Mesh, auto: Plan, limit: float, const
         left = deadline - time.perf_counter()
         if best is not None and left <= 0.0:
             break  # a plan fits, and the time for faster ones is spent
-        budget = new
+        last, budget = (budget, est.memory_per_device_bytes), new
         # Until a plan fits, each solve gets the whole time limit: a plan that fits is needed.
         again = make_plan(traced, mesh, constraints=constraints, start_from=starts,
                           **{**options, "memory_budget": budget,
