@@ -33,6 +33,13 @@ x 30), 1.036 (compiled: none x 16, selective x 15, full x 1), 1.462 and 1.239 (8
 and with async TP: none x 27, selective x 4, full x 1), 1.355 and 1.175 (70B 256 GPU: selective
 x 5, full x 75); planning 15-19 s (8B 8 GPU), 174-177 s (8B 64 GPU), 386-424 s (70B 256 GPU),
 each the baselines' three policies, the auto solve and up to four re-solves of its budget.
+
+Stop 27 (moves one mesh dim at a time where cheaper, ``cost/reshard.reshard_path``; a quiet
+2-core machine): every row fits and is >= its hand plan; 8B 64 GPU 1.429 and 1.208 (the hand
+plan 4,353 tokens/s, 4,291 before; the auto plan 6,222, 6,444 before: its plans hold more of
+the allocator's cache by the schedule, and the budget fit ran out of rounds at 91.3 GiB and
+handed back the hand plan until it also stepped along the line through its last two peaks),
+70B 256 GPU 1.364 and 1.182 (selective x 12, full x 68); planning 7.5-8.3 s, 86 s, 168-172 s.
 """
 
 from __future__ import annotations

@@ -136,6 +136,14 @@ warm --gap 0.01``: 2 layers objective 54.08 ms against the schedule's 54.28 (0.9
 48.25 against 54.01), 12.7 s; 70B objective 1.8207 s against the schedule's 2.0396 s (0.893),
 gap 4.95%, 140.9 s. Without ``--gap`` (the optimum), 2 layers 54.01 against 53.96 ms, 32 layers
 351.5 against 361.7 ms (0.972; 0.956 before).
+
+Then (stop 27; moves priced and lowered one mesh dim at a time where that is cheaper,
+``cost/reshard.reshard_path``; ``--modes warm --gap 0.01``, a quiet 2-core machine; before ->
+after): 2 layers 13.9 -> 13.8 s, step 53.5 -> 47.9 ms (gap 0.24% -> 0.14%); 32 layers (the
+same hour) 12.9 -> 15.1 s (solve 5.4 -> 7.4 s, the ILP's build 0.83 -> 1.19 s), gap 0.32% ->
+0.66%, step 357.1 -> 368.8 ms: the ILP's objective (one stream for both mesh dims) now prices
+the chosen plan at 0.939 of the schedule (it was 0.984), and picks a plan 3.3% slower by it;
+70B (before: stop 26) 87.3 -> 103.6 s, gap 4.75% -> 3.54%, step 1.950 -> 1.987 s.
 """
 
 from __future__ import annotations

@@ -158,25 +158,31 @@ def reshard_path(src: Placements, dst: Placements, global_shape: tuple[int, ...]
     mesh = topology.mesh_shape
     if len(src) != len(mesh) or len(dst) != len(mesh):
         raise ValueError(f"placements {src} -> {dst} do not match the {len(mesh)}-dim mesh {mesh}")
-    best = ((tuple(dst),), _dtensor_cost(tuple(src), tuple(dst), tuple(global_shape), itemsize, topology))
     s, d = _normalise(src, len(global_shape)), _normalise(dst, len(global_shape))
-    if s is None or d is None or not best[1].possible:
+    if s is None or d is None or _mixed_partials(s) or _mixed_partials(d):
+        return (tuple(dst),), IMPOSSIBLE
+    best = ((tuple(dst),), _dtensor_cost(s, d, tuple(global_shape), itemsize, topology))
+    if not best[1].possible:
         return best
     changed = [i for i, (a, b) in enumerate(zip(s, d, strict=True)) if a != b]
     if len(changed) < 2 or any(isinstance(d[i], Partial) for i in changed):
         return best
+    shape, bound, better = tuple(global_shape), best[1].time_s * (1.0 - PATH_GAIN), None
     for order in itertools.permutations(changed):
-        hops, current = [], list(s)
+        hops, current, at, time_s = [], list(s), s, 0.0
         for i in order:
             current[i] = d[i]
             hops.append(tuple(current))
-        time_s, uses, at = 0.0, [], s
-        for hop in hops:
-            cost = _dtensor_cost(at, hop, tuple(global_shape), itemsize, topology)
-            time_s, uses, at = time_s + cost.time_s, uses + list(cost.collectives), hop
-        # Strictly cheaper only: on a tie DTensor's one redistribute is kept.
-        if time_s < best[1].time_s * (1.0 - PATH_GAIN):
-            best = (tuple(hops), ReshardCost(time_s, tuple(uses)))
+            time_s += _dtensor_cost(at, hops[-1], shape, itemsize, topology).time_s
+            at = hops[-1]
+            if time_s >= bound:  # strictly cheaper only: on a tie DTensor's one redistribute is kept
+                break
+        else:
+            bound, better = time_s, tuple(hops)
+    if better is not None:
+        steps = zip((s, *better[:-1]), better, strict=True)
+        uses = tuple(u for a, b in steps for u in _dtensor_cost(a, b, shape, itemsize, topology).collectives)
+        best = (better, ReshardCost(bound, uses))
     return best
 
 
@@ -188,14 +194,11 @@ def reshard_cost(src: Placements, dst: Placements, global_shape: tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=1 << 20)
-def _dtensor_cost(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
+def _dtensor_cost(s: Placements, d: Placements, global_shape: tuple[int, ...], itemsize: int,
                   topology: MeshTopology) -> ReshardCost:
-    """Time and collectives of one DTensor ``redistribute`` from ``src`` to ``dst``."""
+    """Time and collectives of one DTensor ``redistribute`` from ``s`` to ``d`` (normalised,
+    neither mixing two kinds of ``Partial``)."""
     mesh = topology.mesh_shape
-    ndim = len(global_shape)
-    s, d = _normalise(src, ndim), _normalise(dst, ndim)
-    if s is None or d is None or _mixed_partials(s) or _mixed_partials(d):
-        return IMPOSSIBLE
     shape = local_shape(s, tuple(global_shape), mesh)
     if shape is None or local_shape(d, tuple(global_shape), mesh) is None:
         return IMPOSSIBLE

@@ -86,6 +86,13 @@ then, by ``benchmarks/objective_terms.py``: 2 layers, the auto plan 54.01 agains
 llama3-70b 8 layers over 8x8 at seq 4096, the auto plan 209.8 against 225.3 ms (0.931; the
 plan before, 247.1 by the schedule), fsdp_tp 0.975, fsdp_tp_sp 0.995.
 
+Since moves go one mesh dim at a time where that is cheaper (``cost/reshard.reshard_path``: a
+gradient partial over both dims is reduce-scattered over tp first), the two dims' collectives
+overlap more in the schedule, which the one stream here does not see: 2 layers, the auto plan
+53.68 against 48.11 ms (1.116), fsdp_tp 1.013, fsdp_tp_sp 1.020; Qwen2-7B, 4 layers over 8x8
+at seq 4096, the auto plan 336.0 against 359.6 ms (0.935; it was 338.6 against 447.8, 0.756,
+while its tp collectives waited behind whole dp all_reduces).
+
 Exact where a plan has one stream's worth of communication: on one device the objective is
 the schedule's step (tests/plan/test_objective.py); on 1-D meshes the auto plan is within 1%
 of it and DDP within 3%; on 2x2 every hand plan within 30% (``ENVELOPE`` there).
