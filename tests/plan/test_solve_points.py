@@ -131,3 +131,37 @@ def test_no_memory_pressure_one_auto_solve_and_each_plan_priced_once(tiny, mesh,
     assert auto.info["bound_any_budget_s"] <= auto.info["bound_s"] <= auto.info["objective_s"]
     assert solves[None] == 1
     assert priced and max(priced.values()) == 1
+
+
+def test_the_budget_fit_follows_the_peaks_line_when_the_overhead_grows(monkeypatch):
+    """A model where what the schedule holds beyond the ILP's memory row grows as the budget
+    shrinks (peak = 80 + 0.2 x budget GiB, limit 90): the limit less the last overhead alone
+    creeps down (96 -> 94.6 -> 93.5 -> 92.6 -> 91.9 GiB) and no plan fits in FIT_ROUNDS;
+    stepping where the line through the last two peaks meets the limit, the second re-solve fits."""
+    from types import SimpleNamespace
+
+    gib = 2.0**30
+    limit = 90 * gib
+
+    def plan_at(budget):
+        estimate = SimpleNamespace(memory_bytes=budget, total_s=1.0)
+        return SimpleNamespace(status="feasible", ac=None, estimate=estimate,
+                               info={"memory_budget_bytes": budget, "bound_s": 1.0,
+                                     "objective_s": 1.0 + 1e-3 * (80 * gib - budget) / gib})
+
+    def price(plan):
+        peak = 80 * gib + 0.2 * plan.info["memory_budget_bytes"]
+        return SimpleNamespace(fits=peak <= limit, step_s=plan.info["objective_s"],
+                               memory_per_device_bytes=peak, ac=None)
+
+    solved = []
+
+    def make(traced, mesh, *, constraints, start_from, **options):
+        solved.append(options["memory_budget"])
+        return plan_at(options["memory_budget"])
+
+    monkeypatch.setattr(planner, "make_plan", make)
+    options = {"time_limit_s": 60.0}
+    got = planner._fit_by_schedule(None, None, plan_at(80 * gib), limit, None, [], options, price)
+    assert price(got).fits
+    assert price(plan_at(solved[1])).fits  # the second re-solve, on the line
