@@ -11,7 +11,8 @@ Stop 27, a 2-core machine: every case's auto plan <= its best hand plan, no fall
 7.9-32.2 s. Qwen2-7B (28 layers over 8x8): 2548.9 ms, gap 5.7%, 50.5 s before moves went one
 mesh dim at a time where cheaper (``cost/reshard.reshard_path``: its MLP weights' gradients,
 partial over dp and tp, were all-reduced over dp whole, then reduce-scattered over tp, and the
-tp collectives behind them waited); 1892.5 ms, optimal, 25.3 s after (fsdp_tp 2573.4 -> 2472.6).
+tp collectives behind them waited); 1892.5 ms, optimal, 25.3 s after (fsdp_tp 2573.4 -> 2472.6);
+1898.4 ms, optimal, 24.2 s with ``objective.RECOMPUTE_TIE``.
 """
 
 from __future__ import annotations
