@@ -203,7 +203,7 @@ class SPMDProgram:
 
     @property
     def mesh(self) -> Mesh:
-        return _plan_mesh(self.plan)
+        return self.plan.mesh
 
     @property
     def world_size(self) -> int:
@@ -268,10 +268,6 @@ def _planner_rules() -> dict:
     return RULES
 
 
-def _plan_mesh(plan: Plan) -> Mesh:
-    return Mesh(tuple(plan.mesh_shape), tuple(plan.mesh_names), plan.hardware)
-
-
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for d in reversed(shape):
@@ -287,7 +283,7 @@ class _Lowerer(fx.Interpreter):
         super().__init__(gm, garbage_collect_values=True)
         self.plan = plan
         self.mesh = mesh
-        self.topology = MeshTopology.from_mesh(_plan_mesh(plan))
+        self.topology = MeshTopology.from_mesh(plan.mesh)
         self.device = device
         self.rules = _planner_rules()
         self.unplanned: list[str] = []
@@ -560,7 +556,7 @@ def check_plan(traced: Traced, plan: Plan) -> None:
 def lower(traced: Traced, plan: Plan, *, rank: int = 0) -> SPMDProgram:
     """The program rank ``rank`` runs under ``plan`` (lowered on a fake process group)."""
     check_plan(traced, plan)
-    mesh = _plan_mesh(plan)
+    mesh = plan.mesh
     if not 0 <= rank < mesh.size:
         raise UserError(f"rank {rank} is outside the mesh of {mesh.size} devices.")
     return lower_on(traced, plan, _fake_mesh(mesh, rank), rank=rank)

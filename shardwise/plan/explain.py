@@ -71,7 +71,7 @@ class Explanation:
 def explain(traced: Traced, plan: Plan, name: str, *, memory: MemoryModel | None = None) -> Explanation:
     """Every alternative for ``name`` (a parameter or a node of ``traced``), priced as above."""
     node = _resolve(traced, plan, name)
-    mesh = Mesh(tuple(plan.mesh_shape), plan.mesh_names, plan.hardware)
+    mesh = plan.mesh
     costs = PlannerCosts(mesh.shape, get_hardware(plan.hardware))
     per_byte = (memory or MemoryModel()).bytes_per_byte(traced, node)
     chosen = plan.nodes[node.name]

@@ -26,6 +26,7 @@ from torch import fx
 
 from shardwise.errors import UserError
 from shardwise.ir.meta import flat_leaves
+from shardwise.mesh import Mesh
 from shardwise.passes.remat import ACPolicy, LayerPolicies
 from shardwise.plan.placement import Placements, parse_placements, placements_str
 
@@ -166,6 +167,11 @@ class Plan:
     mip_gap: float = 0.0
     info: dict = field(default_factory=dict)
     ac: ACChoice | None = None  # None: no checkpointing recorded (runs none unless told)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh (shape, dim names, hardware) the plan was made for."""
+        return Mesh(tuple(self.mesh_shape), tuple(self.mesh_names), self.hardware)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
