@@ -1,0 +1,120 @@
+"""``solver._run_mip`` when HiGHS reports a start point at a cost that is not its cost (HiGHS
+1.16 does on some models): the MIP runs again without the start, within what is left of the
+time limit, and the start stands where that run finds nothing cheaper.
+
+HiGHS is replaced by a stand-in that plays such runs, on a clock the test moves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from shardwise.plan import solver
+from shardwise.plan.solver import FEASIBLE_SOLUTION, _run_mip
+
+COST = np.array([3.0, 5.0])
+START = np.array([1.0, 0.0])  # costs 3
+LIMIT_S = 50.0
+
+
+@dataclass
+class _Info:
+    primal_solution_status: int
+    objective_function_value: float
+    mip_dual_bound: float = 1.0
+
+
+@dataclass
+class _Values:
+    col_value: np.ndarray
+
+
+@dataclass
+class _Lp:
+    col_cost_: np.ndarray = field(default_factory=lambda: COST)
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Highs:
+    """Each run takes ``run_s`` of the clock and ends at the next of ``results``: (reported
+    objective, solution), or None for no solution."""
+
+    def __init__(self, clock: _Clock, run_s: float, results: list) -> None:
+        self.clock, self.run_s, self.results = clock, run_s, list(results)
+        self.options = {"time_limit": LIMIT_S}
+        self.limits: list[float] = []  # the time limit of each run
+        self.result = None
+
+    def setSolution(self, n, index, values) -> None:  # noqa: N802 (HiGHS's names)
+        pass
+
+    def getOptionValue(self, name):  # noqa: N802
+        return 0, self.options[name]  # highspy's (status, value)
+
+    def setOptionValue(self, name, value) -> None:  # noqa: N802
+        self.options[name] = value
+
+    def run(self) -> None:
+        self.limits.append(self.options["time_limit"])
+        self.clock.now += min(self.run_s, self.options["time_limit"])
+        self.result = self.results.pop(0)
+
+    def clearSolver(self) -> None:  # noqa: N802
+        pass
+
+    def getInfo(self) -> _Info:  # noqa: N802
+        if self.result is None:
+            return _Info(0, float("inf"))
+        return _Info(FEASIBLE_SOLUTION, self.result[0])
+
+    def getSolution(self) -> _Values:  # noqa: N802
+        return _Values(self.result[1] if self.result is not None else np.zeros(2))
+
+    def getLp(self) -> _Lp:  # noqa: N802
+        return _Lp()
+
+    def getModelStatus(self):  # noqa: N802
+        return None
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    c = _Clock()
+    monkeypatch.setattr(solver.time, "perf_counter", c)
+    return c
+
+
+def test_the_run_again_without_the_start_has_only_the_time_left(clock):
+    # The start, reported at 2 (its cost is 3); without it, HiGHS finds the other point.
+    h = _Highs(clock, run_s=30.0, results=[(2.0, START), (5.0, np.array([0.0, 1.0]))])
+    got = _run_mip(h, START, 2)
+    assert h.limits == [LIMIT_S, LIMIT_S - 30.0]
+    assert clock.now == pytest.approx(LIMIT_S)
+    # ... dearer than the start (5 > 3): the start stands, at its own cost.
+    assert got.objective == pytest.approx(3.0)
+    assert np.array_equal(got.solution, START)
+
+
+def test_no_time_left_keeps_the_start(clock):
+    h = _Highs(clock, run_s=LIMIT_S, results=[(2.0, START)])
+    got = _run_mip(h, START, 2)
+    assert h.limits == [LIMIT_S]  # no second run
+    assert got.status == "feasible"
+    assert got.objective == pytest.approx(3.0)
+    assert np.array_equal(got.solution, START)
+
+
+def test_a_cheaper_point_found_without_the_start_is_taken(clock):
+    cheaper = np.array([0.0, 0.5])  # costs 2.5
+    h = _Highs(clock, run_s=10.0, results=[(2.0, START), (2.5, cheaper)])
+    got = _run_mip(h, START, 2)
+    assert got.objective == pytest.approx(2.5)
+    assert np.array_equal(got.solution, cheaper)
