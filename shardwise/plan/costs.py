@@ -54,6 +54,7 @@ class PlannerCosts:
         self._node_facts: dict[fx.Node, tuple] = {}
         self._reshard_cache: dict[tuple, tuple[Placements, Placements, ReshardCost]] = {}
         self._matrix_cache: dict[tuple, tuple[list, list, np.ndarray]] = {}
+        self._shares_cache: dict[tuple, tuple[list, list, np.ndarray]] = {}
 
     def compute_time(self, node: fx.Node, s: Strategy) -> float:
         """Roofline time of ``node`` run with strategy ``s`` on local shapes."""
@@ -91,6 +92,30 @@ class PlannerCosts:
             times = np.array([[0.0 if p is q else self.reshard(p, q, val).time_s for q in dsts]
                               for p in srcs], dtype=np.float64).reshape(len(srcs), len(dsts))
             hit = self._matrix_cache[key] = (srcs, dsts, times)  # srcs/dsts keep their ids theirs
+        return hit[2]
+
+    def move_shares(self, srcs: list[Placements], dsts: list[Placements], val: torch.Tensor) -> np.ndarray:
+        """Each move's time (``move_times``) split in two, shape (srcs, dsts, 2): the share of
+        the collectives that run as soon as the move is issued, and of those that queue on the
+        innermost mesh dim's stream behind an earlier collective of the move (a move through
+        several mesh dims is a chain: each collective starts when the one before ends). 0 for a
+        free or impossible move."""
+        key = (tuple(map(id, srcs)), tuple(map(id, dsts)), val.shape, val.dtype)
+        hit = self._shares_cache.get(key)
+        if hit is None:
+            inner = len(self.mesh_shape) - 1
+            shares = np.zeros((len(srcs), len(dsts), 2), dtype=np.float64)
+            for i, p in enumerate(srcs):
+                for j, q in enumerate(dsts):
+                    cost = self.reshard(p, q, val) if p is not q else None
+                    if cost is None or not cost.possible or cost.time_s <= 0.0:
+                        continue
+                    uses = cost.collectives
+                    times = [self.topology.collective_time(u.kind, u.bytes, u.mesh_dim) for u in uses]
+                    queued = sum(t for t, u in zip(times[1:], uses[1:], strict=True) if u.mesh_dim == inner)
+                    shares[i, j] = (sum(times) - queued, queued)
+                    shares[i, j] /= sum(times)
+            hit = self._shares_cache[key] = (srcs, dsts, shares)
         return hit[2]
 
     def reshard(self, src: Placements, dst: Placements, val: torch.Tensor) -> ReshardCost:

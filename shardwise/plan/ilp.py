@@ -177,11 +177,12 @@ class _Model(Model):
     # (``plan/objective.py``), which takes each term with what it is (a node's kernel, a move).
     objective: ScheduleObjective | None = None
 
-    def charge(self, col: int, seconds: float, tag: object) -> None:
+    def charge(self, col: int, seconds: float, tag: object, shares: Sequence[float] | None = None) -> None:
+        """``seconds`` on column ``col``; ``shares``: a move's split (``_Paid.shares``)."""
         if self.objective is None:
             self.cost[col] += seconds
         else:
-            self.objective.charge(col, seconds, tag)
+            self.objective.charge(col, seconds, tag, shares)
 
     def add_cost(self, col: int, seconds: float, _tag: object = None) -> None:
         """``seconds`` on column ``col`` in the serial sum."""
@@ -191,11 +192,13 @@ class _Model(Model):
 @dataclass
 class _Paid:
     """One edge's paid moves: each one's e variable, its destination q (by the interned
-    placement's id) and its time in seconds."""
+    placement's id), its time in seconds and, for a prefetched parameter under the schedule
+    objective, its time's split (``PlannerCosts.move_shares``)."""
 
     cols: list[int]
     dests: list[int]
     seconds: list[float]
+    shares: list[np.ndarray] | None = None
 
 
 def _supply(ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]], clus: Clustering,
@@ -333,8 +336,10 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
                 demand[s.inputs[j]].extend(xs[v][i])
         if len(supply) == 1 and list(supply) == list(demand):
             continue  # one placement on both ends: nothing to decide, nothing to pay
-        moves[(u, v, j)] = _add_edge(m, supply, demand,
-                                     costs.move_times(list(supply), list(demand), producer.meta["val"]))
+        srcs, dsts, val = list(supply), list(demand), producer.meta["val"]
+        chained = schedule is not None and schedule.prefetched(u, j)
+        moves[(u, v, j)] = _add_edge(m, supply, demand, costs.move_times(srcs, dsts, val),
+                                     costs.move_shares(srcs, dsts, val) if chained else None)
         demands[(u, v, j)] = demand
     if schedule is not None:
         _join_parameter_views(traced, out_keys, moves, demands)
@@ -460,7 +465,7 @@ def _start_vector(m: Model, deciding: dict[fx.Node, list[int]], start: dict[fx.N
 
 
 def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Placements, list[int]],
-              times: np.ndarray) -> _Paid:
+              times: np.ndarray, shares: np.ndarray | None = None) -> _Paid:
     """Transportation rows for one edge: e[p,q] >= 0 for every finite (p, q),
     sum_q e[p,q] = y[p] and sum_p e[p,q] = z[q]. Returns the paid moves (p != q, time > 0);
     ``_charge_moves`` puts their cost in the objective."""
@@ -485,7 +490,8 @@ def _add_edge(m: _Model, supply: dict[Placements, list[int]], demand: dict[Place
         row.update(dict.fromkeys(cols[i, finite[i]].tolist(), 1.0))
         m.row(0.0, 0.0, row)
     pi, qj = np.nonzero(finite & (times > 0.0))
-    return _Paid(cols[pi, qj].tolist(), [id(dsts[j]) for j in qj.tolist()], times[pi, qj].tolist())
+    return _Paid(cols[pi, qj].tolist(), [id(dsts[j]) for j in qj.tolist()], times[pi, qj].tolist(),
+                 list(shares[pi, qj]) if shares is not None else None)
 
 
 def _join_parameter_views(traced: Traced, out_keys: dict[fx.Node, list[tuple[fx.Node, fx.Node, int]]],
@@ -531,12 +537,16 @@ def _core_pairs(times: np.ndarray) -> np.ndarray:
 def _charge_moves(m: _Model, edges: list[_Paid], copies: int, keys: list) -> None:
     """One producer's moves, each placement it is moved to paid once however many of its edges
     (``keys``) need it there: with one edge the cost sits on e; with several, on t[q] (see
-    module doc)."""
+    module doc). Where the schedule objective charges parts of a move apart (``_Paid.shares``),
+    one t[q] per part: at integral x the edges move from one p, so the parts' largest rows add
+    up to that move's time."""
     if not edges:
         return
+    share_of = {e: sh for paid in edges if paid.shares is not None
+                for e, sh in zip(paid.cols, paid.shares, strict=True)}
     if len(edges) == 1:
         for e, c in zip(edges[0].cols, edges[0].seconds, strict=True):
-            m.charge(e, copies * c, keys)
+            m.charge(e, copies * c, keys, share_of.get(e))
         return
     by_q: dict[int, dict[int, dict[int, float]]] = defaultdict(dict)  # q -> edge -> {e: seconds}
     for k, paid in enumerate(edges):
@@ -546,12 +556,26 @@ def _charge_moves(m: _Model, edges: list[_Paid], copies: int, keys: list) -> Non
         if len(per_edge) == 1:  # one edge needs q: it pays
             k, terms = next(iter(per_edge.items()))
             for e, c in terms.items():
-                m.charge(e, copies * c, [keys[k]])
+                m.charge(e, copies * c, [keys[k]], share_of.get(e))
             continue
-        # t counts microseconds, so the rows' coefficients are not down at HiGHS's tolerances.
-        t = m.var(0.0, ub=math.inf, integer=False)
-        m.charge(t, copies * OBJECTIVE_UNIT_S, [keys[k] for k in per_edge])
-        m.at_least(t, [{e: c / OBJECTIVE_UNIT_S for e, c in terms.items()} for terms in per_edge.values()])
+        tagged = [keys[k] for k in per_edge]
+        if not share_of:
+            _pay_once(m, copies, tagged, list(per_edge.values()), None)
+            continue
+        for part, alone in enumerate(np.eye(len(next(iter(share_of.values()))))):
+            rows = [{e: c * share_of[e][part] for e, c in terms.items() if share_of[e][part] > 0.0}
+                    for terms in per_edge.values()]
+            if any(rows):
+                _pay_once(m, copies, tagged, rows, alone)
+
+
+def _pay_once(m: _Model, copies: int, keys: list, rows: list[dict[int, float]],
+              shares: np.ndarray | None) -> None:
+    """A variable t >= each row's seconds, in the objective once (microseconds, so that the rows'
+    coefficients are not down at HiGHS's tolerances)."""
+    t = m.var(0.0, ub=math.inf, integer=False)
+    m.charge(t, copies * OBJECTIVE_UNIT_S, keys, shares)
+    m.at_least(t, [{e: c / OBJECTIVE_UNIT_S for e, c in terms.items()} for terms in rows if terms])
 
 
 def _memory_terms(traced: Traced, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],
