@@ -40,6 +40,10 @@ plan 4,353 tokens/s, 4,291 before; the auto plan 6,222, 6,444 before: its plans 
 the allocator's cache by the schedule, and the budget fit ran out of rounds at 91.3 GiB and
 handed back the hand plan until it also stepped along the line through its last two peaks),
 70B 256 GPU 1.364 and 1.182 (selective x 12, full x 68); planning 7.5-8.3 s, 86 s, 168-172 s.
+Stop 28 (a gather's later collective on the inner mesh dim charged exposed,
+``PlannerCosts.move_shares``; ``--rows 8b-64``): 1.397 and 1.179, the auto plan 6,080 tokens/s
+(none x 7, selective x 24, full x 1; 85.6 GiB) against 6,215 and 6,222 (none x 3, selective x
+29; 83.2 GiB) on the tree before, measured the same hour.
 """
 
 from __future__ import annotations

@@ -147,6 +147,13 @@ the chosen plan at 0.939 of the schedule (it was 0.984), and picks a plan 3.3% s
 With recomputation no longer free in the objective (``objective.RECOMPUTE_TIE``: the ILP had
 checkpointed 16 of the 32 layers with memory to spare, and ``planner._lighten_ac`` priced its way
 back to none): 32 layers 13.6 s (solve 7.2 s, the hand plans and the fit 4.4 s), the same plan.
+Stop 28: HiGHS's run again without its start (where it had priced the start wrongly) took a
+whole time limit again; it now gets what is left (on 70B a 51.5 s MIP had taken 103 s). A
+gather's later collective on the inner mesh dim is charged exposed (``plan/objective.py``): 32
+layers 14.3 s, gap 0.00%, step 368.8 -> 321.4 ms; 2 layers 13.9 s, 47.9 ms, gap 0.14%; 70B
+139-238 s (the budget fit's path varies: two to three solves of ~60 s, each the interior-point
+LP, the neighbourhood MIP and the MIP to their time limits), gap 4.0-4.5%, step 2.039 s
+(2.009 on the tree before, the same hour).
 """
 
 from __future__ import annotations

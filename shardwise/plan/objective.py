@@ -99,7 +99,12 @@ gradient partial over both dims is reduce-scattered over tp first), the two dims
 overlap more in the schedule, which the one stream here does not see: 2 layers, the auto plan
 53.68 against 48.11 ms (1.116), fsdp_tp 1.013, fsdp_tp_sp 1.020; Qwen2-7B, 4 layers over 8x8
 at seq 4096, the auto plan 336.0 against 359.6 ms (0.935; it was 338.6 against 447.8, 0.756,
-while its tp collectives waited behind whole dp all_reduces).
+while its tp collectives waited behind whole dp all_reduces). With a gather's later collective
+on the inner dim exposed (above): 2 layers, the auto plan 53.68 against 47.92 ms (1.120),
+fsdp_tp 1.054, fsdp_tp_sp 1.041; 32 layers, 350.9 against 321.4 ms (1.092). One stream per
+mesh dim instead (rows w[b] >= a dim's hidden and exposed terms less all exposed ones) was
+tried again and not kept: it prices too little, the schedule's stalls behind chains unseen
+(2 layers: 47.33 against a 51.05 ms plan; 32 layers: 262.3 against a 350.5 ms plan).
 
 Exact where a plan has one stream's worth of communication: on one device the objective is
 the schedule's step (tests/plan/test_objective.py); on 1-D meshes the auto plan is within 1%
