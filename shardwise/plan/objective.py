@@ -266,19 +266,18 @@ class ScheduleObjective:
             # placement: where the parameter stays gathered from the forward to the backward
             # (``split``), its first is a forward reader, or a backward one for a placement
             # only the backward reads (gathered before the backward's block, as the schedule does).
-            # A move through several mesh dims is a chain: only its first collective is issued
-            # ahead; each later one queues on its stream when the one before ends, in the middle
-            # of the block before the readers', ahead of that block's own collectives, which its
-            # kernels wait for (the step schedule's streams run in issue order).
+            # A move through several mesh dims is a chain: a later collective of it on the
+            # innermost dim queues on that stream when the one before ends, in the middle of the
+            # block before the readers', ahead of that block's own collectives, which its kernels
+            # wait for (the step schedule's streams run in issue order): exposed there.
             head = 1.0 if shares is None else shares[0]
             copies = self._copies(self._block(v))
             for c in copies:
                 before = self.pred.get(c)
-                load = Load.HIDDEN if before is not None else Load.EXPOSED
-                self._add(before if before is not None else c, load, col, head * seconds / len(copies))
+                at, load = (c, Load.EXPOSED) if before is None else (before, Load.HIDDEN)
+                self._add(at, load, col, head * seconds / len(copies))
                 if head < 1.0:
-                    self._add(before if before is not None else c, Load.EXPOSED, col,
-                              (1.0 - head) * seconds / len(copies))
+                    self._add(at, Load.EXPOSED, col, (1.0 - head) * seconds / len(copies))
         else:
             self._add(self._block(v if j >= 0 else u), Load.EXPOSED, col, seconds)
 
