@@ -287,34 +287,43 @@ def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
     start, or without presolve, the same MIP found 461.2. Where the objective it reports is not
     its solution's cost, the MIP runs again without the start, in what is left of the time limit
     (a run after ``clearSolver`` has HiGHS's whole limit again: on llama3-70b over 8x8 the MIP
-    took 103 s for a limit of 51.5), and the start stands where that run finds nothing cheaper."""
+    took 103 s for a limit of 51.5), and the start stands where that run finds nothing cheaper,
+    with the better of the two runs' bounds (a start priced too low only prunes more: the first
+    run's bound still holds)."""
     if start is not None:
         h.setSolution(len(start), np.arange(len(start), dtype=np.int32), start)
     (_, limit), began = h.getOptionValue("time_limit"), time.perf_counter()  # (status, value)
     h.run()
     if start is not None and not _consistent(h):
         start_cost = float(np.dot(h.getLp().col_cost_, start))
+        first_bound = min(_dual_bound(h), start_cost)
         left = limit - (time.perf_counter() - began)
         log.debug("HiGHS's objective is not its solution's cost; solving again without the start "
                   "(%.1f s left)", left)
         if left <= 0.0:
-            return Solved("feasible", start_cost, -math.inf, start, columns=n)
+            return Solved("feasible", start_cost, first_bound, start, columns=n)
         h.clearSolver()
         h.setOptionValue("time_limit", left)
         h.run()
         info = h.getInfo()
         if info.primal_solution_status != FEASIBLE_SOLUTION or info.objective_function_value > start_cost:
-            return Solved("feasible", start_cost, -math.inf, start, columns=n)
+            bound = min(max(first_bound, _dual_bound(h)), start_cost)
+            return Solved("feasible", start_cost, bound, start, columns=n)
     status = h.getModelStatus()
     info = h.getInfo()
-    bound = float(info.mip_dual_bound)
-    bound = bound if math.isfinite(bound) else -math.inf
+    bound = _dual_bound(h)
     if info.primal_solution_status != FEASIBLE_SOLUTION:  # no plan
         label = "infeasible" if status == highspy.HighsModelStatus.kInfeasible else "unsolved"
         return Solved(label, math.inf, bound, None, columns=n)
     label = "optimal" if status == highspy.HighsModelStatus.kOptimal else "feasible"
     return Solved(label, float(info.objective_function_value), bound,
                   np.asarray(h.getSolution().col_value), columns=n)
+
+
+def _dual_bound(h: highspy.Highs) -> float:
+    """The bound HiGHS's last run proved (-inf where it proved none)."""
+    bound = float(h.getInfo().mip_dual_bound)
+    return bound if math.isfinite(bound) else -math.inf
 
 
 def _consistent(h: highspy.Highs) -> bool:

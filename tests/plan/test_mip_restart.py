@@ -98,9 +98,10 @@ def test_the_run_again_without_the_start_has_only_the_time_left(clock):
     got = _run_mip(h, START, 2)
     assert h.limits == [LIMIT_S, LIMIT_S - 30.0]
     assert clock.now == pytest.approx(LIMIT_S)
-    # ... dearer than the start (5 > 3): the start stands, at its own cost.
+    # ... dearer than the start (5 > 3): the start stands, at its own cost, with the runs' bound.
     assert got.objective == pytest.approx(3.0)
     assert np.array_equal(got.solution, START)
+    assert got.bound == pytest.approx(1.0)
 
 
 def test_no_time_left_keeps_the_start(clock):
@@ -108,6 +109,7 @@ def test_no_time_left_keeps_the_start(clock):
     got = _run_mip(h, START, 2)
     assert h.limits == [LIMIT_S]  # no second run
     assert got.status == "feasible"
+    assert got.bound == pytest.approx(1.0)  # the first run's
     assert got.objective == pytest.approx(3.0)
     assert np.array_equal(got.solution, START)
 
