@@ -373,6 +373,9 @@ def _worker(rank: int, world: int, port: int, backend: str, fn, payload: bytes, 
     ops it names are registered; ``send(obj)`` passes a message (progress) to the parent. Still
     running near ``timeout_s``, it writes its threads' stacks to ``_stack_file(stacks, rank)``."""
     pg_timeout_s = timeout_s * PG_TIMEOUT_SHARE
+    # A fatal signal (a crash in native code) prints every thread's Python stack on the rank's
+    # stderr, which the caller sees, instead of only "exited with code -6".
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     stack_file = open(_stack_file(stacks, rank), "w")  # closed below: faulthandler may write it late
     faulthandler.dump_traceback_later(timeout_s * HANG_DUMP_SHARE, file=stack_file)
     try:
