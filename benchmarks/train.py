@@ -15,9 +15,10 @@ graph at the gradient buckets). Compilation happens in the warmup steps.
 
 Each runs ``--warmup`` untimed steps then ``--steps`` timed ones and prints tokens/s (global batch
 tokens over the median step time of the slower rank, the best of ``--rounds`` rounds that
-interleave the four loops) and its last loss (all four must agree). Two models: llama-tiny
-(hidden 64), whose CPU step is mostly per-op overhead, and llama-small (hidden 256), whose step
-is mostly arithmetic.
+interleave the four loops) and its last loss (all four must agree); for each shardwise loop and
+PyTorch's, the ratio of the best rounds and the median and range of the ratios round by round.
+Two models: llama-tiny (hidden 64), whose CPU step is mostly per-op overhead, and llama-small
+(hidden 256), whose step is mostly arithmetic.
 
 ``--phases`` adds each loop's step by phase (inputs, model, backward, clip, optimizer, zero_grad),
 wall and CPU: where shardwise's step and PyTorch's part ways.
@@ -189,7 +190,8 @@ def speed(args) -> None:
     print(f"\n{args.model}, {args.layers} layers, batch {args.batch} x {args.seq}, fp32, 2 gloo ranks, "
           f"{args.steps} timed steps after {args.warmup}, best of {args.rounds} rounds")
     print(f"{'loop':<24} {'step_ms':>9} {'tokens/s':>10} {'last_loss':>10}")
-    best: dict[str, float] = {}
+    # Each loop's step time in every round (the slower rank's median step).
+    steps: dict[str, list[float]] = {}
     losses: dict[str, float] = {}
     best_phases: dict[str, dict[str, tuple[float, float]]] = {}
     modes = [*args.loops, *(m + COMPILED for m in args.loops if args.compile)]
@@ -200,17 +202,23 @@ def speed(args) -> None:
             mp.spawn(_speed_worker, args=(2, _free_port(), mode, args, results), nprocs=2, join=True)
             slower = max(range(2), key=lambda r: results[(mode, r)][0])
             step_s, losses[mode], per_phase = results[(mode, slower)]
-            if step_s < best.get(mode, math.inf):
-                best[mode], best_phases[mode] = step_s, per_phase
+            if step_s < min(steps.get(mode, [math.inf])):
+                best_phases[mode] = per_phase
+            steps.setdefault(mode, []).append(step_s)
     rows = {}
     for mode in modes:
-        rows[mode] = args.batch * args.seq / best[mode]
-        print(f"{mode:<24} {best[mode] * 1e3:>9.1f} {rows[mode]:>10,.0f} {losses[mode]:>10.4f}")
+        best = min(steps[mode])
+        rows[mode] = args.batch * args.seq / best
+        print(f"{mode:<24} {best * 1e3:>9.1f} {rows[mode]:>10,.0f} {losses[mode]:>10.4f}")
     pairs = [("shardwise-fsdp", "torch-fsdp2"), ("shardwise-ddp", "torch-ddp")]
     if args.compile:
         pairs += [(a + COMPILED, b + c) for a, b in pairs[:2] for c in ("", COMPILED)]
     for ours, theirs in (pair for pair in pairs if set(pair) <= set(modes)):
-        print(f"{ours} / {theirs}: {rows[ours] / rows[theirs]:.2f}x tokens/s")
+        # The two loops of one round ran minutes apart at most: their ratio per round shows how
+        # far the machine's drift moves the comparison, which the best-of-rounds ratio hides.
+        per_round = sorted(t / o for o, t in zip(steps[ours], steps[theirs], strict=True))
+        print(f"{ours} / {theirs}: {rows[ours] / rows[theirs]:.2f}x tokens/s (best of rounds); per round "
+              f"median {statistics.median(per_round):.2f}x, {per_round[0]:.2f}-{per_round[-1]:.2f}x")
     if args.phases:
         _print_phases(modes, best_phases)
 

@@ -187,6 +187,7 @@ C10D_KINDS: dict[object, CollectiveKind] = {
     c10d.all_reduce.default: CollectiveKind.ALL_REDUCE,
     c10d.all_reduce_.default: CollectiveKind.ALL_REDUCE,  # in place (``inplace_all_reduce``)
     c10d.all_gather_into_tensor.default: CollectiveKind.ALL_GATHER,
+    c10d.all_gather_into_tensor_out.default: CollectiveKind.ALL_GATHER,  # into a buffer (``all_gather_out``)
     c10d.reduce_scatter_tensor.default: CollectiveKind.REDUCE_SCATTER,
     c10d.all_to_all_single.default: CollectiveKind.ALL_TO_ALL,
     c10d.broadcast.default: CollectiveKind.BROADCAST,
