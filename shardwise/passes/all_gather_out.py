@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from shardwise.ir.match import all_collectives
-from shardwise.ir.meta import fake_value
+from shardwise.ir.meta import copy_meta, shape
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -36,20 +36,19 @@ c10d = torch.ops._c10d_functional
 def find(gm: fx.GraphModule) -> list[fx.Node]:
     """The allocating all_gathers whose input's shape is known (static)."""
     return [c.op for c in all_collectives(gm.graph)
-            if c.op.target is c10d.all_gather_into_tensor.default and fake_value(c.input) is not None]
+            if c.op.target is c10d.all_gather_into_tensor.default and shape(c.input) is not None]
 
 
 def apply(gm: fx.GraphModule) -> int:
     """Give each allocating all_gather a buffer of its own; returns the number rewritten."""
     matches = find(gm)
     for op in matches:
-        x, world, group = op.args
-        shape = list(fake_value(x).shape)
-        shape[0] *= int(world)
+        x, world, _group = op.args
+        dims = list(shape(x))
+        dims[0] *= int(world)
         with gm.graph.inserting_before(op):
-            buf = gm.graph.call_function(aten.new_empty.default, (x, shape))
-        if "val" in op.meta:
-            buf.meta["val"] = op.meta["val"]
+            buf = gm.graph.call_function(aten.new_empty.default, (x, dims))
+        copy_meta(buf, op)  # the same value: the gathered tensor
         op.target = c10d.all_gather_into_tensor_out.default
         op.kwargs = {"out": buf}
     if matches:
