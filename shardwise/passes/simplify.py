@@ -9,16 +9,18 @@ eager backward, running in C++, does not pay. Rewrites::
     view(view(x, a), b)                   -> view(x, b)           (reshape chains: one reshape)
     permute(permute(x, p), q)             -> permute(x, p o q)    (t / transpose / permute)
     permute(x, identity)                  -> x
+    v(x, a) and again v(x, a)             -> one node             (any view op: view, t, expand...)
     detach(x), detach_(x), alias(x)       -> x
     ones_like(wait(all_reduce(x)))        -> ones_like(x)         (any *_like: reads only metadata)
     f(no input)                           -> a constant, computed once (rotary tables...)
 
 Safety: the layout rewrites keep every reader on the same storage (a view of a view is a view of
-the source; an identity view, a transpose pair or a detach reads the source itself), so a
-reader sees the same values even where an op writes in place (an embedding gradient's
-``index_put_``). Two rewrites would not, and run only in a graph where no op writes in place: a
-reshape chain whose source is not contiguous becomes a ``reshape`` (which may copy), and
-folding constants (a folded buffer written in place would carry one step's writes into the
+the source; an identity view, a transpose pair or a detach reads the source itself), so a reader
+sees the same values even where an op writes in place (an embedding gradient's ``index_put_``);
+so does a view shared by its duplicates (the backward's ``view(x, [M, K])`` for a weight's
+gradient is the forward's). Two rewrites would not, and run only in a graph where no op writes
+in place: a reshape chain whose source is not contiguous becomes a ``reshape`` (which may copy),
+and folding constants (a folded buffer written in place would carry one step's writes into the
 next). A chain over a contiguous source becomes a ``view`` (a view of it to any shape of the
 same size exists). A ``*_like`` factory reads only its input's shape, dtype and device, which an
 all_reduce keeps, so it need not wait for one (the backward's seed gradient then does not wait
@@ -51,6 +53,9 @@ from shardwise.ir.match import (
 
 aten = torch.ops.aten
 _ALIAS_OPS = (aten.detach.default, aten.alias.default, *AUTOGRAD_ONLY_INPLACE_OPS)
+# Ops whose output is a view of their input: two with the same arguments are the same tensor.
+_VIEW_OPS = frozenset({*PERMUTE_OPS, aten.view.default, aten._unsafe_view.default, aten.expand.default,
+                       aten.unsqueeze.default, aten.squeeze.dims, aten.slice.Tensor})
 _LIKE_OPS = (aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default)
 # Small tables (rotary cos/sin, masks of a few rows) are worth keeping; a folded constant holds
 # memory for the whole run, so anything bigger is left to be recomputed.
@@ -64,11 +69,13 @@ class Counts:
     metadata_reads: int = 0
     reshapes: int = 0
     permutes: int = 0
+    shared_views: int = 0
     folded: int = 0
 
     @property
     def total(self) -> int:
-        return self.aliases + self.metadata_reads + self.reshapes + self.permutes + self.folded
+        return (self.aliases + self.metadata_reads + self.reshapes + self.permutes + self.shared_views
+                + self.folded)
 
 
 def _val(node: object) -> torch.Tensor | None:
@@ -150,6 +157,33 @@ def _fold_layout(graph: fx.Graph, counts: Counts, *, may_copy: bool) -> None:
                 counts.permutes += 1
 
 
+def _frozen(value: object) -> object:
+    """``value`` (a node's argument) as a hashable key: lists become tuples."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
+
+
+def _share_views(graph: fx.Graph, counts: Counts) -> None:
+    """Each view of the same input with the same arguments becomes the first one made."""
+    first: dict[object, fx.Node] = {}
+    for node in list(graph.nodes):
+        if not is_op(node, *_VIEW_OPS):
+            continue
+        key = (node.target, _frozen(node.args), _frozen(node.kwargs))
+        try:
+            hash(key)
+        except TypeError:  # an argument that is no plain value (a slice object...): left alone
+            continue
+        if key in first:
+            _replace(node, first[key])
+            counts.shared_views += 1
+        else:
+            first[key] = node
+
+
 def _foldable(node: fx.Node, constant: set[fx.Node]) -> bool:
     if node.op != "call_function" or node.target is operator.getitem:
         return False
@@ -205,6 +239,7 @@ def apply(gm: fx.GraphModule, *, fold_constants: bool = True) -> int:
     _fold_aliases(gm.graph, counts)
     _skip_all_reduces(gm.graph, counts)
     _fold_layout(gm.graph, counts, may_copy=functional)
+    _share_views(gm.graph, counts)
     if fold_constants and functional:
         _fold_constants(gm, counts)
     gm.graph.eliminate_dead_code()

@@ -48,6 +48,7 @@ from shardwise.mesh import Mesh, destroy_world
 from shardwise.passes import COMPILED_RUNTIME_PASSES, RUNTIME_PASSES, remat, run_passes
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan.plan import Plan
+from shardwise.runtime.bindings import direct_calls
 from shardwise.runtime.heap import retain_freed_memory
 from shardwise.runtime.launch import real_constants, retarget_device
 
@@ -361,8 +362,9 @@ class ParallelModule(nn.Module):
         compiled = self._state["compile"]
         run_passes(gm, list(COMPILED_RUNTIME_PASSES if compiled else RUNTIME_PASSES))
         # Inductor fuses the program's elementwise chains into kernels; it compiles on the first
-        # call (then from its cache on disk).
-        run = torch.compile(gm, fullgraph=True, dynamic=False) if compiled else gm
+        # call (then from its cache on disk). Eagerly, each op is called through PyTorch's own
+        # binding, a cheaper call than its OpOverload (runtime/bindings.py).
+        run = torch.compile(gm, fullgraph=True, dynamic=False) if compiled else direct_calls(gm)
         lays = program.param_layouts()
         names = list(traced.params)
         for k in names:

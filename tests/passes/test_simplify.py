@@ -44,6 +44,23 @@ def test_layout_chains_fold_and_the_values_stay():
     assert torch.equal(gm(x, y), want) and torch.equal(gm(x2, y2), _layout_soup(x2, y2))
 
 
+def _viewed_twice(x, w, y):
+    a = x.view(6, 4) @ w
+    b = x.view(6, 4).t() @ a  # the same view of x again, as a backward takes it for a gradient
+    return a, b, y.t() + y.t().sin()
+
+
+def test_the_same_view_of_the_same_input_is_made_once_and_the_values_stay():
+    x, w, y = torch.randn(4, 6), torch.randn(4, 3), torch.randn(3, 5)
+    gm = make_fx(_viewed_twice)(x, w, y)
+    assert _count(gm, aten.view.default) == 2 and _count(gm, aten.t.default) == 3
+    assert simplify.apply(gm) >= 2
+    assert _count(gm, aten.view.default) == 1 and _count(gm, aten.t.default) == 2
+    x2, w2, y2 = torch.randn(4, 6), torch.randn(4, 3), torch.randn(3, 5)
+    for got, want in zip(gm(x2, w2, y2), _viewed_twice(x2, w2, y2), strict=True):
+        assert torch.equal(got, want)
+
+
 def _with_tables(x, n: int):
     table = torch.arange(n, dtype=torch.float32).cos()  # reads no input: a constant
     return x.sum() + table
