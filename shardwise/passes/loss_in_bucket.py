@@ -1,29 +1,45 @@
-"""Reduce the loss with the gradients: its all_reduce joins the gradient bucket reduced last.
+"""Reduce the loss with the gradients: its all_reduce, and a mean's token count, join the
+gradient bucket reduced last.
 
-A data-parallel step reduces two things over the same ranks: the loss (one number, for the
-user) and the gradients (which ``bucket`` has grouped into flat buffers). Each collective call
-pays its own launch and its own wait: on gloo, launching an all_reduce took ~0.15 ms of CPU in
-llama-tiny's ddp step, a step of ~18 ms whose DDP counterpart issues one collective. Nothing in
-the step reads the reduced loss (``simplify`` has moved the backward's seed, a ``ones_like``,
-onto the local loss), so it can travel in the last bucket::
+A data-parallel step reduces, over the same ranks, the loss (one number, for the user), the
+gradients (which ``bucket`` has grouped into flat buffers) and, for a mean cross entropy, the
+number of tokens counted (``early_loss_weight`` launches that one at the start: the backward
+divides by it). Each collective call pays its own launch and wait, and one in the middle of the
+step stops the ranks there: on two gloo ranks of a 2-core machine, removing the count's
+all_reduce from llama-tiny's ddp step made it 1-2 ms faster (of ~21 ms; DDP's step issues one
+collective). Nothing in the step reads the reduced loss (``simplify`` has moved the backward's
+seed, a ``ones_like``, onto the local loss), so it can travel in the last bucket; and a mean's
+division by the count commutes with the sum over ranks, so each rank can differentiate its
+local *sum* and the gradients be divided by the count after their reduction::
 
-    before                                    after
-      r = all_reduce(loss, avg, grp)
-      ...backward...                            l1 = view(loss, [1])
-      flat = cat([g1, g2])                      flat = cat([g1, g2, l1, ones_like(l1)])
-      b = wait(all_reduce(flat, sum, grp))      b = wait(all_reduce(flat, sum, grp))
-      g1 = view(slice(b, 0, 0, n1), ...)        g1 = view(slice(b, 0, 0, n1), ...)   (unchanged)
-                                                s = slice(b, 0, n, n + 2)
-      return (wait(r), g1, ...)                 return (div(select(s, 0, 0), select(s, 0, 1)), g1, ...)
+    before                                       after (a mean cross entropy)
+      c = count of labels                          c = count of labels
+      rc = all_reduce(c, sum, grp)
+      l = nll_loss_forward(x, t, None, mean)[0]    l = nll_loss_forward(x, t, None, sum)[0]
+      r = all_reduce(l, avg, grp)
+      gx = nll_loss_backward(.., mean, wait(rc))   gx = nll_loss_backward(.., sum, c)
+      ...backward...                               flat = cat([g1, g2, view(l, [1]), view(c, [1])])
+      flat = cat([g1, g2])                         b = wait(all_reduce(flat, sum, grp))
+      b = wait(all_reduce(flat, sum, grp))         s = slice(b, 0, n, n + 2); N = select(s, 0, 1)
+      g1 = view(slice(b, 0, 0, n1), ...)           g1 = view(slice(div(b, N), 0, 0, n1), ...)
+      return (wait(r), g1, ...)                    return (div(select(s, 0, 0), N), g1, ...)
 
-A sum needs no count (the loss alone joins). Safety: the loss's reduction is a functional
-all_reduce (sum or avg) of a 0-dim tensor, read only by the graph's output; the bucket is
-a functional all_reduce with op sum over the same group, of the same dtype, of a ``cat`` along
-dim 0 read by nothing else, and it comes after the loss in graph order (the loss is computed
-before its cat). The loss goes at the end of the buffer, so every member keeps its offset and
-its bits. An average is the sum over the sum of one 1 per rank (the group's size, exactly, with
-no need to know it here), which is how c10d's ``all_reduce(avg)`` gets it: a sum divided by the
-size. A loss kept for another reader, or a bucket of another group or dtype, is left alone.
+Any other loss reduced by sum or avg joins alone, with a 1 from each rank for an average (the
+sum of them is the group's size). The loss becomes the global mean, the sum of every rank's
+terms over all their tokens, which is what one process computes (a mean of the ranks' means was
+that only when every rank counted as many tokens); gradients differ from the scaled-first ones
+by rounding.
+
+Safety: the loss's reduction is a functional all_reduce (sum or avg) of a 0-dim tensor, read
+only by the graph's output; the bucket is a functional all_reduce with op sum over the same
+group, of the same dtype, of a ``cat`` along dim 0 read by nothing else, and it comes after the
+loss in graph order. The loss goes at the end of the buffer, so every member keeps its offset
+and its bits. The mean form needs in addition: the loss is ``nll_loss_forward``'s (no class
+weights, mean) read otherwise only by ``*_like`` factories (metadata); the count's all_reduce
+(sum, same group) is read only by one ``nll_loss_backward`` of the same inputs; and every other
+output of the graph is a view or slice of a sum all_reduce over the group, so every gradient is
+divided. Where that does not hold the loss joins alone; a loss kept for another reader, or a
+bucket of another group or dtype, is left alone.
 """
 
 from __future__ import annotations
@@ -34,11 +50,15 @@ import torch
 from torch import fx
 
 from shardwise.ir.match import (
+    RESHAPE_OPS,
     Collective,
     CollectiveKind,
     all_collectives,
+    collective,
     insert_call_after,
+    is_getitem,
     is_op,
+    is_wait,
     topo_index,
 )
 from shardwise.ir.meta import fake_value
@@ -46,12 +66,25 @@ from shardwise.ir.meta import fake_value
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 _LOSS_OPS = ("sum", "avg")
+MEAN, SUM = 1, 2  # torch.nn._reduction
+_LIKE_OPS = (aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default)
+
+
+@dataclass(frozen=True)
+class Mean:
+    """A mean cross entropy whose division moves past the gradients' reduction."""
+
+    forward: fx.Node  # nll_loss_forward
+    backward: fx.Node  # nll_loss_backward, reading the reduced count
+    count: Collective  # all_reduce(sum) of the local token count
+    grads: tuple[Collective, ...]  # the sum all_reduces every gradient output comes from
 
 
 @dataclass(frozen=True)
 class Match:
     loss: Collective  # the 0-dim all_reduce read only by the output
     bucket: Collective  # the sum all_reduce of a private cat it joins
+    mean: Mean | None = None
 
 
 def _is_loss(c: Collective) -> bool:
@@ -70,6 +103,37 @@ def _is_bucket(c: Collective) -> bool:
             and fake_value(flat) is not None and fake_value(flat).dim() == 1)
 
 
+def _sum_reduce(node: object, group: str) -> Collective | None:
+    """The sum all_reduce over ``group`` whose result ``node`` is (through views and slices)."""
+    while is_op(node, *RESHAPE_OPS, aten.slice.Tensor):
+        node = node.args[0]
+    c = collective(node) if is_wait(node) else None
+    ok = c is not None and c.kind is CollectiveKind.ALL_REDUCE and c.reduce_op == "sum"
+    return c if ok and c.group_name == group else None
+
+
+def _mean(gm: fx.GraphModule, loss: Collective, bucket: Collective, collectives: list[Collective],
+          order: dict[fx.Node, int]) -> Mean | None:
+    fwd = loss.input.args[0] if is_getitem(loss.input, 0) else None
+    if not is_op(fwd, aten.nll_loss_forward.default) or fwd.args[2] is not None or fwd.args[3] != MEAN:
+        return None
+    if any(u is not loss.op and not is_op(u, *_LIKE_OPS) for u in loss.input.users):
+        return None
+    counts = [c for c in collectives if c.kind is CollectiveKind.ALL_REDUCE and c.reduce_op == "sum"
+              and c.group_name == loss.group_name and c.wait is not None and len(c.wait.users) == 1
+              and is_op(bw := next(iter(c.wait.users)), aten.nll_loss_backward.default)
+              and tuple(bw.args[1:6]) == tuple(fwd.args) and bw.args[6] is c.wait]
+    if len(counts) != 1:
+        return None
+    count = counts[0]
+    outputs = [a for a in gm.graph.output_node().args[0] if isinstance(a, fx.Node) and a is not loss.wait]
+    grads = [_sum_reduce(a, loss.group_name) for a in outputs]
+    # Every gradient is divided once the bucket's sum (and the count in it) has arrived.
+    if not outputs or any(g is None or order[g.wait] > order[bucket.wait] for g in grads):
+        return None
+    return Mean(fwd, next(iter(count.wait.users)), count, tuple(dict.fromkeys(grads)))
+
+
 def find(gm: fx.GraphModule) -> list[Match]:
     collectives = all_collectives(gm.graph)
     order = topo_index(gm.graph)
@@ -79,7 +143,8 @@ def find(gm: fx.GraphModule) -> list[Match]:
         buckets = [b for b in collectives if _is_bucket(b) and b.group_name == loss.group_name
                    and fake_value(b.input).dtype == dtype and order[b.input] > order[loss.input]]
         if buckets:
-            out.append(Match(loss, max(buckets, key=lambda b: order[b.op])))
+            last = max(buckets, key=lambda b: order[b.op])
+            out.append(Match(loss, last, _mean(gm, loss, last, collectives, order)))
     # One loss per bucket: a second would need the first's offsets.
     seen: set[fx.Node] = set()
     return [m for m in out if not (m.bucket.op in seen or seen.add(m.bucket.op))]
@@ -92,19 +157,44 @@ def apply(gm: fx.GraphModule) -> int:
         flat, loss, wait = m.bucket.input, m.loss.input, m.bucket.wait
         n = fake_value(flat).shape[0]
         pieces = [insert_call_after(loss, aten.view.default, (loss, [1]))]
-        if m.loss.reduce_op == "avg":  # and a 1 from each rank: their count
+        if m.mean is not None:  # and each rank's token count
+            count = m.mean.count.input
+            pieces.append(insert_call_after(count, aten.view.default, (count, [1])))
+            _differentiate_the_sum(m.mean)
+        elif m.loss.reduce_op == "avg":  # and a 1 from each rank: their count
             pieces.append(insert_call_after(pieces[0], aten.ones_like.default, (pieces[0],)))
         flat.update_arg(0, [*flat.args[0], *pieces])
         for node in (flat, m.bucket.op, wait):
             node.meta["val"] = fake_value(node).new_empty((n + len(pieces),))
         value = insert_call_after(wait, aten.slice.Tensor, (wait, 0, n, n + len(pieces)))
         total = insert_call_after(value, aten.select.int, (value, 0, 0))
-        if m.loss.reduce_op == "avg":
+        if len(pieces) == 2:
             count = insert_call_after(total, aten.select.int, (value, 0, 1))
             total = insert_call_after(count, aten.div.Tensor, (total, count))
+            if m.mean is not None:
+                _divide_gradients(m.mean, count, after=total, keep=value)
         m.loss.wait.replace_all_uses_with(total)
         gm.graph.erase_node(m.loss.wait)
         gm.graph.erase_node(m.loss.op)
     if matches:
         gm.recompile()
     return len(matches)
+
+
+def _differentiate_the_sum(mean: Mean) -> None:
+    """The loss and its backward reduce by sum over this rank's tokens; the count's own
+    all_reduce goes (the count travels in the bucket)."""
+    mean.forward.update_arg(3, SUM)
+    mean.backward.update_arg(4, SUM)
+    mean.backward.update_arg(6, mean.count.input)  # read by a sum's kernel for its shape only
+    graph = mean.count.op.graph
+    graph.erase_node(mean.count.wait)
+    graph.erase_node(mean.count.op)
+
+
+def _divide_gradients(mean: Mean, count: fx.Node, *, after: fx.Node, keep: fx.Node) -> None:
+    """Every gradient reduction's result is read divided by the global ``count`` (``keep``, the
+    loss's slice of the bucket, reads the sum)."""
+    for g in mean.grads:
+        after = insert_call_after(after, aten.div.Tensor, (g.wait, count))
+        g.wait.replace_all_uses_with(after, delete_user_cb=lambda u, d=after: u not in (d, keep))
