@@ -496,6 +496,19 @@ RESHAPE_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.resh
 
 # Dim reorders (a transpose is a permute of two dims).
 PERMUTE_OPS = frozenset({aten.permute.default, aten.t.default, aten.transpose.int})
+# Factories that read only their input's shape, dtype and device, never its values.
+LIKE_OPS = frozenset({aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
+                      aten.full_like.default})
+
+
+class Reduction(enum.IntEnum):
+    """A loss's ``reduction`` argument as ATen takes it (torch.nn._reduction)."""
+
+    NONE = 0
+    MEAN = 1
+    SUM = 2
+
+
 # In-place ops that change only autograd's flag, never data (a program runs without autograd).
 AUTOGRAD_ONLY_INPLACE_OPS = frozenset({aten.detach_.default})
 

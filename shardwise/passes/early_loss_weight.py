@@ -33,6 +33,7 @@ from torch import fx
 
 from shardwise.ir.match import (
     CollectiveKind,
+    Reduction,
     collective,
     insert_call_after,
     is_getitem,
@@ -41,7 +42,6 @@ from shardwise.ir.match import (
 )
 
 aten = torch.ops.aten
-MEAN = 1  # torch.nn._reduction: none 0, mean 1, sum 2
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def find(gm: fx.GraphModule) -> list[Match]:
         if not is_op(node, aten.nll_loss_forward.default):
             continue
         _x, target, weight, reduction, _ignore = node.args
-        if weight is not None or reduction != MEAN or not isinstance(target, fx.Node):
+        if weight is not None or reduction != Reduction.MEAN or not isinstance(target, fx.Node):
             continue
         for g in node.users:
             if not is_getitem(g, 1):

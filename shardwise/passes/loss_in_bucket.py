@@ -50,9 +50,11 @@ import torch
 from torch import fx
 
 from shardwise.ir.match import (
+    LIKE_OPS,
     RESHAPE_OPS,
     Collective,
     CollectiveKind,
+    Reduction,
     all_collectives,
     collective,
     insert_call_after,
@@ -66,8 +68,6 @@ from shardwise.ir.meta import fake_value
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 _LOSS_OPS = ("sum", "avg")
-MEAN, SUM = 1, 2  # torch.nn._reduction
-_LIKE_OPS = (aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default)
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,10 @@ def _sum_reduce(node: object, group: str) -> Collective | None:
 def _mean(gm: fx.GraphModule, loss: Collective, bucket: Collective, collectives: list[Collective],
           order: dict[fx.Node, int]) -> Mean | None:
     fwd = loss.input.args[0] if is_getitem(loss.input, 0) else None
-    if not is_op(fwd, aten.nll_loss_forward.default) or fwd.args[2] is not None or fwd.args[3] != MEAN:
+    if not is_op(fwd, aten.nll_loss_forward.default) or fwd.args[2] is not None \
+            or fwd.args[3] != Reduction.MEAN:
         return None
-    if any(u is not loss.op and not is_op(u, *_LIKE_OPS) for u in loss.input.users):
+    if any(u is not loss.op and not is_op(u, *LIKE_OPS) for u in loss.input.users):
         return None
     counts = [c for c in collectives if c.kind is CollectiveKind.ALL_REDUCE and c.reduce_op == "sum"
               and c.group_name == loss.group_name and c.wait is not None and len(c.wait.users) == 1
@@ -126,6 +127,8 @@ def _mean(gm: fx.GraphModule, loss: Collective, bucket: Collective, collectives:
     if len(counts) != 1:
         return None
     count = counts[0]
+    if fake_value(count.input) is None or fake_value(count.input).dtype != fake_value(loss.input).dtype:
+        return None
     outputs = [a for a in gm.graph.output_node().args[0] if isinstance(a, fx.Node) and a is not loss.wait]
     grads = [_sum_reduce(a, loss.group_name) for a in outputs]
     # Every gradient is divided once the bucket's sum (and the count in it) has arrived.
@@ -184,8 +187,8 @@ def apply(gm: fx.GraphModule) -> int:
 def _differentiate_the_sum(mean: Mean) -> None:
     """The loss and its backward reduce by sum over this rank's tokens; the count's own
     all_reduce goes (the count travels in the bucket)."""
-    mean.forward.update_arg(3, SUM)
-    mean.backward.update_arg(4, SUM)
+    mean.forward.update_arg(3, int(Reduction.SUM))
+    mean.backward.update_arg(4, int(Reduction.SUM))
     mean.backward.update_arg(6, mean.count.input)  # read by a sum's kernel for its shape only
     graph = mean.count.op.graph
     graph.erase_node(mean.count.wait)

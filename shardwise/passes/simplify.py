@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from shardwise.ir.match import (
     AUTOGRAD_ONLY_INPLACE_OPS,
+    LIKE_OPS,
     PERMUTE_OPS,
     RESHAPE_OPS,
     CollectiveKind,
@@ -56,7 +57,6 @@ _ALIAS_OPS = (aten.detach.default, aten.alias.default, *AUTOGRAD_ONLY_INPLACE_OP
 # Ops whose output is a view of their input: two with the same arguments are the same tensor.
 _VIEW_OPS = frozenset({*PERMUTE_OPS, aten.view.default, aten._unsafe_view.default, aten.expand.default,
                        aten.unsqueeze.default, aten.squeeze.dims, aten.slice.Tensor})
-_LIKE_OPS = (aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default)
 # Small tables (rotary cos/sin, masks of a few rows) are worth keeping; a folded constant holds
 # memory for the whole run, so anything bigger is left to be recomputed.
 CONST_FOLD_MAX_BYTES = 1 << 20
@@ -116,7 +116,7 @@ def _fold_aliases(graph: fx.Graph, counts: Counts) -> None:
 
 def _skip_all_reduces(graph: fx.Graph, counts: Counts) -> None:
     for node in list(graph.nodes):
-        if not is_op(node, *_LIKE_OPS) or not isinstance(node.args[0], fx.Node):
+        if not is_op(node, *LIKE_OPS) or not isinstance(node.args[0], fx.Node):
             continue
         c = collective(node.args[0])
         if c is not None and c.kind is CollectiveKind.ALL_REDUCE and c.value is node.args[0]:

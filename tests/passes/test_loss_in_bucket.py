@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.ir.match import CollectiveKind, all_collectives
+from shardwise.ir.match import CollectiveKind, Reduction, all_collectives
 from shardwise.mesh import Mesh
 from shardwise.passes import bucket, early_loss_weight, loss_in_bucket, simplify
 from shardwise.runtime.launch import rel_err
@@ -48,8 +48,8 @@ def test_a_ddp_steps_loss_and_token_count_join_the_bucket_and_the_step_is_unchan
     # One collective for the whole step: the loss and the count travel at the end of the bucket,
     # and each rank differentiates the sum of its tokens' losses.
     assert _all_reduces(gm) == before - 2 == 1 and len(_bucket_members(gm)) == members + 2
-    assert _nll(gm, aten.nll_loss_forward.default).args[3] == loss_in_bucket.SUM
-    assert _nll(gm, aten.nll_loss_backward.default).args[4] == loss_in_bucket.SUM
+    assert _nll(gm, aten.nll_loss_forward.default).args[3] == Reduction.SUM
+    assert _nll(gm, aten.nll_loss_backward.default).args[4] == Reduction.SUM
     results = run_many([plain, rewritten], check=True, timeout_s=SLOW_MACHINE_TIMEOUT_S)
     assert results[1].max_rel_err <= 1e-5
     for got, want in zip(results[1].outputs, results[0].outputs, strict=True):
@@ -61,8 +61,8 @@ def test_a_loss_that_is_no_mean_joins_alone_with_the_same_bits_on_gloo():
 
     programs = _programs(*DDP)
     for prog in programs:  # a summed cross entropy, averaged over the ranks
-        _nll(prog.gm, aten.nll_loss_forward.default).update_arg(3, loss_in_bucket.SUM)
-        _nll(prog.gm, aten.nll_loss_backward.default).update_arg(4, loss_in_bucket.SUM)
+        _nll(prog.gm, aten.nll_loss_forward.default).update_arg(3, int(Reduction.SUM))
+        _nll(prog.gm, aten.nll_loss_backward.default).update_arg(4, int(Reduction.SUM))
         prog.gm.recompile()
     gm = programs[1].gm
     _prepare(gm)
