@@ -496,6 +496,9 @@ RESHAPE_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.resh
 
 # Dim reorders (a transpose is a permute of two dims).
 PERMUTE_OPS = frozenset({aten.permute.default, aten.t.default, aten.transpose.int})
+# Ops whose output is a view of their input: two with the same arguments are the same tensor.
+VIEW_OPS = frozenset({*RESHAPE_OPS - {aten.reshape.default}, *PERMUTE_OPS, aten.expand.default,
+                      aten.unsqueeze.default, aten.squeeze.dims, aten.slice.Tensor})
 # Factories that read only their input's shape, dtype and device, never its values.
 LIKE_OPS = frozenset({aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
                       aten.full_like.default})

@@ -32,12 +32,12 @@ PASSES: dict[str, str] = {
 # Passes that change values by rounding at most and only help a bound program run (fewer ops and
 # collectives, collectives under compute, no copies): ``parallelize`` applies them to every
 # program it binds, after the user's passes. ``loss_in_bucket`` needs ``simplify`` to have moved
-# the backward's seed off the reduced loss. ``inplace_all_reduce`` and ``all_gather_out`` make the graph write buffers in place, so
-# they come last (``all_gather_out`` keeps overlapped gathers off a gloo bug: its docstring).
-# ``exchange_all_reduce`` is not among them: it is faster than gloo's all_reduce alone
-# (``benchmarks/exchange.py``) but made llama-tiny's whole ddp step ~10% slower on two ranks of a
-# 2-core machine (its isend/irecv keep gloo's transport thread busy beside the compute); a user
-# may still ask for it with ``passes``.
+# the backward's seed off the reduced loss. ``inplace_all_reduce`` and ``all_gather_out`` make the
+# graph write buffers in place, so they come last (``all_gather_out`` keeps overlapped gathers off
+# a gloo bug: its docstring). ``exchange_all_reduce`` is not among them: it is faster than gloo's
+# all_reduce alone (``benchmarks/exchange.py``) but made llama-tiny's whole ddp step ~10% slower
+# on two ranks of a 2-core machine (its isend/irecv keep gloo's transport thread busy beside the
+# compute); a user may still ask for it with ``passes``.
 RUNTIME_PASSES = ("early_loss_weight", "simplify", "loss_in_bucket", "sink_waits", "inplace_all_reduce",
                   "all_gather_out")
 # Before torch.compile: the ones that keep the graph functional (Dynamo traces functional

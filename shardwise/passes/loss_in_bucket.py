@@ -51,7 +51,7 @@ from torch import fx
 
 from shardwise.ir.match import (
     LIKE_OPS,
-    RESHAPE_OPS,
+    VIEW_OPS,
     Collective,
     CollectiveKind,
     Reduction,
@@ -104,8 +104,8 @@ def _is_bucket(c: Collective) -> bool:
 
 
 def _sum_reduce(node: object, group: str) -> Collective | None:
-    """The sum all_reduce over ``group`` whose result ``node`` is (through views and slices)."""
-    while is_op(node, *RESHAPE_OPS, aten.slice.Tensor):
+    """The sum all_reduce over ``group`` whose result ``node`` is (through views)."""
+    while is_op(node, *VIEW_OPS):
         node = node.args[0]
     c = collective(node) if is_wait(node) else None
     ok = c is not None and c.kind is CollectiveKind.ALL_REDUCE and c.reduce_op == "sum"

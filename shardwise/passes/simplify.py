@@ -46,6 +46,7 @@ from shardwise.ir.match import (
     LIKE_OPS,
     PERMUTE_OPS,
     RESHAPE_OPS,
+    VIEW_OPS,
     CollectiveKind,
     collective,
     is_op,
@@ -54,9 +55,6 @@ from shardwise.ir.match import (
 
 aten = torch.ops.aten
 _ALIAS_OPS = (aten.detach.default, aten.alias.default, *AUTOGRAD_ONLY_INPLACE_OPS)
-# Ops whose output is a view of their input: two with the same arguments are the same tensor.
-_VIEW_OPS = frozenset({*PERMUTE_OPS, aten.view.default, aten._unsafe_view.default, aten.expand.default,
-                       aten.unsqueeze.default, aten.squeeze.dims, aten.slice.Tensor})
 # Small tables (rotary cos/sin, masks of a few rows) are worth keeping; a folded constant holds
 # memory for the whole run, so anything bigger is left to be recomputed.
 CONST_FOLD_MAX_BYTES = 1 << 20
@@ -170,7 +168,7 @@ def _share_views(graph: fx.Graph, counts: Counts) -> None:
     """Each view of the same input with the same arguments becomes the first one made."""
     first: dict[object, fx.Node] = {}
     for node in list(graph.nodes):
-        if not is_op(node, *_VIEW_OPS):
+        if not is_op(node, *VIEW_OPS):
             continue
         key = (node.target, _frozen(node.args), _frozen(node.kwargs))
         try:
