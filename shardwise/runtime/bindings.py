@@ -5,9 +5,11 @@ an ``OpOverload``, whose call adds a Python frame and then parses the arguments 
 schema onto a stack for the boxed kernel. PyTorch's binding of the same op (``torch.mul``,
 ``Tensor.view``) parses them in C++ straight into the unboxed call. The kernel is the same; the
 call costs 0.5-1 us less (``Tensor.view`` 1.1 us against ``aten.view.default`` 1.7 us, ``torch.t``
-0.7 against 1.2, ``torch.sum`` 2.5 against 3.4, one thread of this project's 2-core machine). A
-llama-tiny ddp step over two gloo ranks holds ~980 nodes, ~820 of them in ``DIRECT_CALLS``: its
-forward and backward took ~1 ms less CPU of ~16 ms, where PyTorch's own backward runs in C++.
+0.7 against 1.2, ``torch.sum`` 2.5 against 3.4, one thread of this project's 2-core machine).
+``benchmarks/bindings.py``: llama-tiny's traced step (927 nodes, 762 of them listed) took 16.90
+ms a call against 17.40; inside its lowered ddp step over two gloo ranks, swapping the program in
+and out within one run gave 0.7-1.0 ms less CPU of 15-17 ms, where PyTorch's own backward runs
+in C++.
 
 ``direct_calls(gm)`` returns a new module over a copy of the graph (the attributes are shared,
 not copied) whose nodes call the bindings; ``gm`` keeps its ``OpOverload`` targets, which every
