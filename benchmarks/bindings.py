@@ -26,7 +26,9 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _step_graph(name: str, layers: int, batch: int, seq: int):
+def step_graph(name: str, layers: int, batch: int, seq: int):
+    """A built-in model's training step (loss and every parameter's gradient) traced by
+    ``make_fx`` with real weights, and the arguments to call it with."""
     from shardwise.models import get_model
 
     spec = get_model(name, layers=layers, batch=batch, seq=seq)
@@ -57,7 +59,7 @@ def main() -> None:
           f"median of {args.calls} calls")
     print(f"{'model':<14} {'nodes':>6} {'direct':>7} {'overload_ms':>12} {'direct_ms':>10} {'saved_ms':>9}")
     for name in args.models.split(","):
-        gm, call_args = _step_graph(name, args.layers, args.batch, args.seq)
+        gm, call_args = step_graph(name, args.layers, args.batch, args.seq)
         fast = direct_calls(gm)
         got, want = tree_leaves(fast(*call_args)), tree_leaves(gm(*call_args))
         if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):

@@ -103,13 +103,28 @@ def _is_bucket(c: Collective) -> bool:
             and fake_value(flat) is not None and fake_value(flat).dim() == 1)
 
 
+def _is_sum_reduce(c: Collective | None, group: str) -> bool:
+    return (c is not None and c.kind is CollectiveKind.ALL_REDUCE and c.reduce_op == "sum"
+            and c.group_name == group and c.wait is not None)
+
+
 def _sum_reduce(node: object, group: str) -> Collective | None:
     """The sum all_reduce over ``group`` whose result ``node`` is (through views)."""
     while is_op(node, *VIEW_OPS):
         node = node.args[0]
     c = collective(node) if is_wait(node) else None
-    ok = c is not None and c.kind is CollectiveKind.ALL_REDUCE and c.reduce_op == "sum"
-    return c if ok and c.group_name == group else None
+    return c if _is_sum_reduce(c, group) else None
+
+
+def _count_reader(c: Collective, fwd: fx.Node, group: str) -> fx.Node | None:
+    """The ``nll_loss_backward`` of ``fwd``'s inputs that alone reads ``c`` as its total weight,
+    when ``c`` is a sum all_reduce over ``group``."""
+    if not _is_sum_reduce(c, group) or len(c.wait.users) != 1:
+        return None
+    bw = next(iter(c.wait.users))
+    ok = is_op(bw, aten.nll_loss_backward.default) and tuple(bw.args[1:6]) == tuple(fwd.args) \
+        and bw.args[6] is c.wait
+    return bw if ok else None
 
 
 def _mean(gm: fx.GraphModule, loss: Collective, bucket: Collective, collectives: list[Collective],
@@ -120,13 +135,10 @@ def _mean(gm: fx.GraphModule, loss: Collective, bucket: Collective, collectives:
         return None
     if any(u is not loss.op and not is_op(u, *LIKE_OPS) for u in loss.input.users):
         return None
-    counts = [c for c in collectives if c.kind is CollectiveKind.ALL_REDUCE and c.reduce_op == "sum"
-              and c.group_name == loss.group_name and c.wait is not None and len(c.wait.users) == 1
-              and is_op(bw := next(iter(c.wait.users)), aten.nll_loss_backward.default)
-              and tuple(bw.args[1:6]) == tuple(fwd.args) and bw.args[6] is c.wait]
+    counts = [(c, bw) for c in collectives if (bw := _count_reader(c, fwd, loss.group_name)) is not None]
     if len(counts) != 1:
         return None
-    count = counts[0]
+    count, backward = counts[0]
     if fake_value(count.input) is None or fake_value(count.input).dtype != fake_value(loss.input).dtype:
         return None
     outputs = [a for a in gm.graph.output_node().args[0] if isinstance(a, fx.Node) and a is not loss.wait]
@@ -134,7 +146,7 @@ def _mean(gm: fx.GraphModule, loss: Collective, bucket: Collective, collectives:
     # Every gradient is divided once the bucket's sum (and the count in it) has arrived.
     if not outputs or any(g is None or order[g.wait] > order[bucket.wait] for g in grads):
         return None
-    return Mean(fwd, next(iter(count.wait.users)), count, tuple(dict.fromkeys(grads)))
+    return Mean(fwd, backward, count, tuple(dict.fromkeys(grads)))
 
 
 def find(gm: fx.GraphModule) -> list[Match]:
@@ -149,8 +161,10 @@ def find(gm: fx.GraphModule) -> list[Match]:
             last = max(buckets, key=lambda b: order[b.op])
             out.append(Match(loss, last, _mean(gm, loss, last, collectives, order)))
     # One loss per bucket: a second would need the first's offsets.
-    seen: set[fx.Node] = set()
-    return [m for m in out if not (m.bucket.op in seen or seen.add(m.bucket.op))]
+    first: dict[fx.Node, Match] = {}
+    for m in out:
+        first.setdefault(m.bucket.op, m)
+    return list(first.values())
 
 
 def apply(gm: fx.GraphModule) -> int:

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import functional_call
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from shardwise.models import get_model
 from shardwise.runtime.bindings import DIRECT_CALLS, direct_calls
 
 aten = torch.ops.aten
@@ -90,21 +87,13 @@ def test_a_binding_reaches_the_same_aten_op_and_bits(op):
 
 
 def test_a_training_step_called_directly_computes_the_same_bits():
-    spec = get_model("llama-tiny", layers=2, batch=4, seq=8)
-    torch.manual_seed(0)
-    module = spec.build_module()
-    params = {k: v.detach().requires_grad_(True) for k, v in module.named_parameters()}
-    inputs = spec.example_inputs(True, 0)
+    from benchmarks.bindings import step_graph
 
-    def step(params, *inputs):
-        loss = functional_call(module, params, inputs)
-        return loss, *torch.autograd.grad(loss, list(params.values()))
-
-    gm = make_fx(step)(params, *inputs)
+    gm, args = step_graph("llama-tiny", layers=2, batch=4, seq=8)
     fast = direct_calls(gm)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     direct = [n for n in fast.graph.nodes if n.op == "call_function" and n.target in DIRECT_CALLS.values()]
     # Most of a step's ops are listed; the graph handed in keeps its OpOverloads.
     assert len(direct) > len(calls) / 2
     assert not any(n.target in DIRECT_CALLS.values() for n in calls)
-    assert _same_bits(fast(params, *inputs), gm(params, *inputs))
+    assert _same_bits(fast(*args), gm(*args))
