@@ -512,6 +512,15 @@ class Reduction(enum.IntEnum):
     SUM = 2
 
 
+def mean_cross_entropy(loss: object) -> fx.Node | None:
+    """The ``nll_loss_forward`` whose output 0 ``loss`` is, where it takes the mean without class
+    weights (its output 1, ``total_weight``, is then the number of tokens it counted); else None."""
+    fwd = loss.args[0] if is_getitem(loss, 0) else None
+    if is_op(fwd, aten.nll_loss_forward.default) and fwd.args[2] is None and fwd.args[3] == Reduction.MEAN:
+        return fwd
+    return None
+
+
 # In-place ops that change only autograd's flag, never data (a program runs without autograd).
 AUTOGRAD_ONLY_INPLACE_OPS = frozenset({aten.detach_.default})
 

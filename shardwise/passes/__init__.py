@@ -27,10 +27,12 @@ PASSES: dict[str, str] = {
     "exchange_all_reduce": "shardwise.passes.exchange_all_reduce",
     "all_gather_out": "shardwise.passes.all_gather_out",
     "loss_in_bucket": "shardwise.passes.loss_in_bucket",
+    "global_mean_loss": "shardwise.passes.global_mean_loss",
 }
 
 # Passes that change values by rounding at most and only help a bound program run (fewer ops and
-# collectives, collectives under compute, no copies): ``parallelize`` applies them to every
+# collectives, collectives under compute, no copies), and ``global_mean_loss``, which reports a
+# mean loss over split tokens as one process computes it: ``parallelize`` applies them to every
 # program it binds, after the user's passes. ``loss_in_bucket`` needs ``simplify`` to have moved
 # the backward's seed off the reduced loss. ``inplace_all_reduce`` and ``all_gather_out`` make the
 # graph write buffers in place, so they come last (``all_gather_out`` keeps overlapped gathers off
@@ -38,11 +40,11 @@ PASSES: dict[str, str] = {
 # all_reduce alone (``benchmarks/exchange.py``) but made llama-tiny's whole ddp step ~10% slower
 # on two ranks of a 2-core machine (its isend/irecv keep gloo's transport thread busy beside the
 # compute); a user may still ask for it with ``passes``.
-RUNTIME_PASSES = ("early_loss_weight", "simplify", "loss_in_bucket", "sink_waits", "inplace_all_reduce",
-                  "all_gather_out")
+RUNTIME_PASSES = ("early_loss_weight", "simplify", "loss_in_bucket", "global_mean_loss", "sink_waits",
+                  "inplace_all_reduce", "all_gather_out")
 # Before torch.compile: the ones that keep the graph functional (Dynamo traces functional
 # collectives only); the waits are sunk so that the graph Inductor starts from overlaps them.
-COMPILED_RUNTIME_PASSES = ("early_loss_weight", "simplify", "sink_waits")
+COMPILED_RUNTIME_PASSES = ("early_loss_weight", "simplify", "global_mean_loss", "sink_waits")
 
 
 def parse_passes(names: str | Sequence[str]) -> tuple[str, ...]:

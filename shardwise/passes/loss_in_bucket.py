@@ -24,11 +24,12 @@ local *sum* and the gradients be divided by the count after their reduction::
       g1 = view(slice(b, 0, 0, n1), ...)           g1 = view(slice(div(b, N), 0, 0, n1), ...)
       return (wait(r), g1, ...)                    return (div(select(s, 0, 0), N), g1, ...)
 
-Any other loss reduced by sum or avg joins alone, with a 1 from each rank for an average (the
-sum of them is the group's size). The loss becomes the global mean, the sum of every rank's
-terms over all their tokens, which is what one process computes (a mean of the ranks' means was
-that only when every rank counted as many tokens); gradients differ from the scaled-first ones
-by rounding.
+Any other loss reduced by sum or avg joins alone: the average of a mean cross entropy weighted
+by each rank's token count (``global_mean_loss.weighted_loss``), any other average with a 1 from
+each rank (the sum of them is the group's size). A mean cross entropy's loss becomes the global
+mean, the sum of every rank's terms over all their tokens, which is what one process computes (a
+mean of the ranks' means was that only when every rank counted as many tokens); gradients differ
+from the scaled-first ones by rounding.
 
 Safety: the loss's reduction is a functional all_reduce (sum or avg) of a 0-dim tensor, read
 only by the graph's output; the bucket is a functional all_reduce with op sum over the same
@@ -58,12 +59,13 @@ from shardwise.ir.match import (
     all_collectives,
     collective,
     insert_call_after,
-    is_getitem,
     is_op,
     is_wait,
+    mean_cross_entropy,
     topo_index,
 )
 from shardwise.ir.meta import fake_value
+from shardwise.passes.global_mean_loss import weighted_loss
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -129,9 +131,8 @@ def _count_reader(c: Collective, fwd: fx.Node, group: str) -> fx.Node | None:
 
 def _mean(gm: fx.GraphModule, loss: Collective, bucket: Collective, collectives: list[Collective],
           order: dict[fx.Node, int]) -> Mean | None:
-    fwd = loss.input.args[0] if is_getitem(loss.input, 0) else None
-    if not is_op(fwd, aten.nll_loss_forward.default) or fwd.args[2] is not None \
-            or fwd.args[3] != Reduction.MEAN:
+    fwd = mean_cross_entropy(loss.input)
+    if fwd is None:
         return None
     if any(u is not loss.op and not is_op(u, *LIKE_OPS) for u in loss.input.users):
         return None
@@ -173,13 +174,18 @@ def apply(gm: fx.GraphModule) -> int:
     for m in matches:
         flat, loss, wait = m.bucket.input, m.loss.input, m.bucket.wait
         n = fake_value(flat).shape[0]
-        pieces = [insert_call_after(loss, aten.view.default, (loss, [1]))]
+        fwd = mean_cross_entropy(loss)
         if m.mean is not None:  # and each rank's token count
             count = m.mean.count.input
-            pieces.append(insert_call_after(count, aten.view.default, (count, [1])))
+            pieces = [insert_call_after(loss, aten.view.default, (loss, [1])),
+                      insert_call_after(count, aten.view.default, (count, [1]))]
             _differentiate_the_sum(m.mean)
-        elif m.loss.reduce_op == "avg":  # and a 1 from each rank: their count
-            pieces.append(insert_call_after(pieces[0], aten.ones_like.default, (pieces[0],)))
+        elif m.loss.reduce_op == "avg" and fwd is not None:  # weighted by each rank's token count
+            pieces = list(weighted_loss(loss, fwd))
+        else:
+            pieces = [insert_call_after(loss, aten.view.default, (loss, [1]))]
+            if m.loss.reduce_op == "avg":  # and a 1 from each rank: their count
+                pieces.append(insert_call_after(pieces[0], aten.ones_like.default, (pieces[0],)))
         flat.update_arg(0, [*flat.args[0], *pieces])
         for node in (flat, m.bucket.op, wait):
             node.meta["val"] = fake_value(node).new_empty((n + len(pieces),))
