@@ -85,12 +85,12 @@ def test_the_average_of_the_ranks_means_becomes_a_sum_with_the_count():
 
 
 def test_a_summed_or_class_weighted_loss_stays():
-    for change in ((3, int(Reduction.SUM)), (2, "weight")):
+    summed = lambda fwd: fwd.update_arg(3, int(Reduction.SUM))  # noqa: E731
+    class_weighted = lambda fwd: fwd.update_arg(2, fwd.args[0])  # noqa: E731  (any node stands for weights)
+    for change in (summed, class_weighted):
         _, fsdp = _programs("fsdp", Mesh((2,), ("dp",)))
         gm = fsdp.gm
         simplify.apply(gm)
         assert len(global_mean_loss.find(gm)) == 1
-        fwd = next(n for n in gm.graph.nodes if n.target is aten.nll_loss_forward.default)
-        index, value = change
-        fwd.update_arg(index, value if index != 2 else fwd.args[0])  # any node stands for weights
+        change(next(n for n in gm.graph.nodes if n.target is aten.nll_loss_forward.default))
         assert global_mean_loss.find(gm) == []
