@@ -512,6 +512,14 @@ class Reduction(enum.IntEnum):
     SUM = 2
 
 
+def reported_loss(c: Collective, reduce_ops: tuple[str, ...] = ("sum", "avg")) -> bool:
+    """``c`` is a functional all_reduce (by one of ``reduce_ops``) of a 0-dim value whose result
+    only the graph's output reads: a loss reduced for the user, which nothing in the step waits for."""
+    val = fake_value(c.input)
+    return (c.op.target is c10d.all_reduce.default and c.reduce_op in reduce_ops and c.wait is not None
+            and val is not None and val.dim() == 0 and all(u.op == "output" for u in c.wait.users))
+
+
 def mean_cross_entropy(loss: object) -> fx.Node | None:
     """The ``nll_loss_forward`` whose output 0 ``loss`` is, where it takes the mean without class
     weights (its output 1, ``total_weight``, is then the number of tokens it counted); else None."""

@@ -37,14 +37,13 @@ from torch import fx
 
 from shardwise.ir.match import (
     Collective,
-    CollectiveKind,
     all_collectives,
     insert_call_after,
     mean_cross_entropy,
+    reported_loss,
 )
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
@@ -57,9 +56,7 @@ def find(gm: fx.GraphModule) -> list[Match]:
     out = []
     for c in all_collectives(gm.graph):
         fwd = mean_cross_entropy(c.input)
-        if (fwd is not None and c.kind is CollectiveKind.ALL_REDUCE and c.op.target is c10d.all_reduce.default
-                and c.reduce_op == "avg" and c.wait is not None and c.wait.users
-                and all(u.op == "output" for u in c.wait.users)):
+        if fwd is not None and reported_loss(c, ("avg",)):
             out.append(Match(c, fwd))
     return out
 

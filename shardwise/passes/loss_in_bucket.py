@@ -62,6 +62,7 @@ from shardwise.ir.match import (
     is_op,
     is_wait,
     mean_cross_entropy,
+    reported_loss,
     topo_index,
 )
 from shardwise.ir.meta import fake_value
@@ -69,7 +70,6 @@ from shardwise.passes.global_mean_loss import weighted_loss
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-_LOSS_OPS = ("sum", "avg")
 
 
 @dataclass(frozen=True)
@@ -87,14 +87,6 @@ class Match:
     loss: Collective  # the 0-dim all_reduce read only by the output
     bucket: Collective  # the sum all_reduce of a private cat it joins
     mean: Mean | None = None
-
-
-def _is_loss(c: Collective) -> bool:
-    val = fake_value(c.input)
-    return (c.kind is CollectiveKind.ALL_REDUCE and c.op.target is c10d.all_reduce.default
-            and c.reduce_op in _LOSS_OPS and c.wait is not None
-            and val is not None and val.dim() == 0
-            and all(u.op == "output" for u in c.wait.users))
 
 
 def _is_bucket(c: Collective) -> bool:
@@ -154,7 +146,7 @@ def find(gm: fx.GraphModule) -> list[Match]:
     collectives = all_collectives(gm.graph)
     order = topo_index(gm.graph)
     out = []
-    for loss in filter(_is_loss, collectives):
+    for loss in filter(reported_loss, collectives):
         dtype = fake_value(loss.input).dtype
         buckets = [b for b in collectives if _is_bucket(b) and b.group_name == loss.group_name
                    and fake_value(b.input).dtype == dtype and order[b.input] > order[loss.input]]
