@@ -533,6 +533,30 @@ def mean_cross_entropy(loss: object) -> fx.Node | None:
 AUTOGRAD_ONLY_INPLACE_OPS = frozenset({aten.detach_.default})
 
 
+def schema_arg(node: fx.Node, name: str, default: object = None) -> object:
+    """The value of the schema argument ``name`` of an OpOverload call (its default if absent)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else (a.default_value if a.has_default_value()
+                                                               else default)
+    return default
+
+
+# The fused attention kernels' dropout probability (their schemas name it so).
+DROPOUT_ARG = "dropout_p"
+
+
+def draws_random(node: object) -> bool:
+    """``node`` draws from the random generator: a seeded random op, an attention kernel only
+    with a dropout probability (it is tagged random for its dropout)."""
+    t = getattr(node, "target", None)
+    if not isinstance(t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in t.tags:
+        return False
+    return schema_arg(node, DROPOUT_ARG) not in (0, 0.0)
+
+
 def writes_in_place(node: fx.Node) -> bool:
     """``node`` writes one of its inputs' data (its schema marks an input mutable)."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None

@@ -24,6 +24,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.errors import UserError
+from shardwise.ir.match import draws_random
 
 
 class Phase(enum.Enum):
@@ -103,12 +104,82 @@ def _phases(gm: fx.GraphModule, train: bool) -> dict[str, Phase]:
             for n in gm.graph.nodes}
 
 
+aten = torch.ops.aten
+# In-place ops whose functional form is not their name without the trailing underscore.
+_FUNCTIONAL_FORMS = {aten.bernoulli_.float: aten.bernoulli.p}
+# The random draws the planner and the lowering support (``plan/strategies.py``: replicated).
+SUPPORTED_DRAWS = frozenset({aten.bernoulli.p})
+
+
+def _functional_form(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """``op``'s functional twin (``div_.Scalar`` -> ``div.Scalar``), None if it has none."""
+    if op in _FUNCTIONAL_FORMS:
+        return _FUNCTIONAL_FORMS[op]
+    name = op._schema.name.split("::")[-1]
+    packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
+    fn = getattr(packet, op._overloadname, None) if packet is not None else None
+    return fn if fn is not None and not fn._schema.is_mutable else None
+
+
+def _writes_first_only(op: torch._ops.OpOverload) -> bool:
+    args = op._schema.arguments
+    written = [a.alias_info is not None and a.alias_info.is_write for a in args]
+    return bool(written) and written[0] and not any(written[1:])
+
+
+def _functionalize_fresh(gm: fx.GraphModule) -> None:
+    """An in-place op on a buffer that the graph made and nothing else reads becomes its
+    functional form. Dropout traces as ``mask = bernoulli_(empty_like(x), 1 - p)`` then
+    ``div_(mask, 1 - p)``: no other op sees the buffer before or after the write, so
+    ``bernoulli(empty_like(x), 1 - p)`` and ``div(mask, 1 - p)`` give every reader the same
+    values. A random op's buffer made by ``empty_like(x)`` becomes ``empty_strided`` of x's
+    shape and strides (the same draws: the kernel fills the same layout): the mask then depends
+    on no value, and the planner need not move x to draw it (random draws are planned
+    replicated, ``plan/strategies.py``)."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
+            continue
+        buf = n.args[0] if n.args else None
+        fn = _functional_form(op)
+        if (fn is None or not _writes_first_only(op) or not isinstance(buf, fx.Node)
+                or buf.op != "call_function" or len(buf.users) != 1):
+            continue
+        if torch.Tag.nondeterministic_seeded in op.tags and buf.target is aten.empty_like.default:
+            val = buf.meta["val"]
+            with graph.inserting_before(buf):
+                fresh = graph.call_function(aten.empty_strided.default, (list(val.shape), list(val.stride())),
+                                            {"dtype": val.dtype, "device": val.device})
+            fresh.meta = dict(buf.meta)
+            buf.replace_all_uses_with(fresh)
+            graph.erase_node(buf)
+        with graph.inserting_before(n):
+            new = graph.call_function(fn, n.args, n.kwargs)
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
+
+
 def _check_functional(gm: fx.GraphModule) -> None:
+    """One clear sentence for a graph shardwise cannot plan: what the model does that it needs
+    it not to, and what to change."""
     for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            if n.target._schema.is_mutable:
-                raise UserError(f"traced graph holds the in-place op {n.format_node()}; shardwise needs "
-                                "a functional graph.")
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        op = n.target._schema.name.replace("::", ".")
+        if draws_random(n) and n.target not in SUPPORTED_DRAWS:
+            raise UserError(f"the model draws random numbers in {op}, which shardwise cannot split over "
+                            "ranks (it splits dropout masks only); remove that draw from the forward.")
+        if not n.target._schema.is_mutable:
+            continue
+        written = n.args[0] if n.args else None
+        if isinstance(written, fx.Node) and written.op in ("placeholder", "get_attr"):
+            raise UserError(f"the model's forward writes a parameter, buffer or input in place ({op}; "
+                            "BatchNorm's running statistics, for one); shardwise needs a forward that only "
+                            "reads them (freeze such layers with .eval() or track_running_stats=False).")
+        raise UserError(f"the traced graph writes a tensor in place ({op}) that other ops read; shardwise "
+                        "needs a functional graph.")
 
 
 def trace(
@@ -157,6 +228,7 @@ def trace(
         # its code once per pass (seconds each at 32 layers) for a graph nobody runs here.
         with _use_lazy_graph_module(True), fx_traceback.preserve_node_meta():
             gm = make_fx(step, tracing_mode="real", record_module_stack=True)(*params, *inputs)
+    _functionalize_fresh(gm)
     _check_functional(gm)
     if gm.graph.eliminate_dead_code():
         gm.recompile()

@@ -77,7 +77,15 @@ import torch
 from torch import fx
 
 from shardwise.errors import UserError
-from shardwise.ir.match import C10D_KINDS, CollectiveKind, input_closure, is_getitem, is_wait
+from shardwise.ir.match import (
+    C10D_KINDS,
+    DROPOUT_ARG,
+    CollectiveKind,
+    input_closure,
+    is_getitem,
+    is_wait,
+    schema_arg,
+)
 from shardwise.ir.regions import (
     alias_root,
     backward_start,
@@ -180,8 +188,6 @@ PURE_NAMESPACES = frozenset({"aten", "prims"})
 PURE_SHARDWISE_OPS = frozenset({"rms_norm", "add_rms_norm", "add_rms_norm2"})
 # Tags of ops whose result is not a function of their inputs alone.
 UNSAFE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
-# The attention kernels' dropout probability (their schemas name it so).
-DROPOUT_ARG = "dropout_p"
 
 
 def _packet(node: fx.Node) -> object:
@@ -220,18 +226,7 @@ def is_random(node: fx.Node) -> bool:
     t = node.target
     if not isinstance(t, torch._ops.OpOverload) or not any(tag in UNSAFE_TAGS for tag in t.tags):
         return False
-    return not (is_attention(node) and _arg(node, DROPOUT_ARG, 0.0) == 0.0)
-
-
-def _arg(node: fx.Node, name: str, default: object) -> object:
-    """The value of the schema argument ``name`` of an OpOverload call (its default if absent)."""
-    if name in node.kwargs:
-        return node.kwargs[name]
-    for i, a in enumerate(node.target._schema.arguments):
-        if a.name == name:
-            return node.args[i] if i < len(node.args) else (a.default_value if a.has_default_value()
-                                                               else default)
-    return default
+    return not (is_attention(node) and schema_arg(node, DROPOUT_ARG, 0.0) == 0.0)
 
 
 def is_uninitialised(node: fx.Node) -> bool:
@@ -404,6 +399,8 @@ def _policy_of(policy: AnyPolicy, forward: list[fx.Node],
     if len(starts) != len(policy.layers):
         raise UserError(f"the activation checkpointing choice names {len(policy.layers)} layers but the "
                         f"graph has {len(starts)}; plan again for this model.")
+    if not starts:  # a model without decoder layers (an MLP): no layer to checkpoint
+        return dict.fromkeys(forward, ACPolicy.NONE)
     return {n: policy.layers[k] for n, k in layer_of(forward, starts).items()}
 
 

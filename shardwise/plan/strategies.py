@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise.ir.meta import flat_tensors
+from shardwise.ir.trace import SUPPORTED_DRAWS
 from shardwise.plan.placement import Placements, on_mesh
 from shardwise.plan.plan import tensor_args
 
@@ -183,6 +184,15 @@ def register_norm_rules() -> None:
     register_rule(ops.rms_norm.default)(_norm_rule(1, 1, 1))
     register_rule(ops.add_rms_norm.default)(_norm_rule(1, 2, 1))
     register_rule(ops.add_rms_norm2.default)(_norm_rule(2, 2, 1))
+
+
+@register_rule(*SUPPORTED_DRAWS)
+def _random_draw(node: fx.Node, input_choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
+    """A random draw (dropout's mask) is made whole on every rank, from a generator every rank
+    seeds alike (``train/module.py`` checks it), and read by its consumers as a free slice: each
+    rank holds the numbers one process draws for its piece. Drawn sharded, every shard would
+    repeat the same numbers."""
+    return [_replicated(node, mesh.ndim)]
 
 
 @register_rule(aten.einsum.default)

@@ -106,7 +106,11 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
 
 
 def _start(job: TrainJob, module, optimizer, scheduler, init_weights: Callable[[int], None]) -> int:
-    """Resume from the job's checkpoint (its step) or initialise the weights (step 0)."""
+    """Resume from the job's checkpoint (its step) or initialise the weights (step 0). Every rank
+    and the reference seed PyTorch's generator alike first: a model's dropout masks are drawn
+    from it, the same numbers on every rank and in one process (``plan/strategies.py``); a
+    checkpoint then restores the state it saved."""
+    torch.manual_seed(job.options.seed)
     if job.options.resume:
         return checkpoint.load(job.options.resume, module, optimizer, scheduler, job.model).step
     init_weights(job.options.seed)

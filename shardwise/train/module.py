@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from shardwise.errors import UserError
-from shardwise.ir.trace import Traced
+from shardwise.ir.trace import SUPPORTED_DRAWS, Traced
 from shardwise.lower.spmd import Layout, SPMDProgram, lower_on
 from shardwise.mesh import Mesh, destroy_world
 from shardwise.passes import COMPILED_RUNTIME_PASSES, RUNTIME_PASSES, remat, run_passes
@@ -283,6 +283,7 @@ class _Program:
     run: Callable  # runs the program: its graph module, or that module compiled
     _grad_specs: dict[tuple[int, torch.dtype], DTensorSpec] = field(default_factory=dict)
     _owners: list[tuple[nn.Module, str]] | None = None  # (module, attribute) of each parameter
+    draws: bool = False  # it draws random numbers (dropout masks)
 
     def grad_specs(self, grads: Sequence[torch.Tensor | None]) -> list[DTensorSpec | None]:
         """Each gradient's DTensor spec (its layout on the mesh), built once per layout."""
@@ -382,7 +383,8 @@ class ParallelModule(nn.Module):
                     raise UserError(f"the plan delivers the gradient of {k} in another placement than "
                                     "the parameter; plan it again.")
                 grad_layouts.append(lay)
-        return _Program(program, self.device_mesh, module, names, inputs, grad_layouts, run)
+        draws = any(n.target in SUPPORTED_DRAWS for n in gm.graph.nodes)
+        return _Program(program, self.device_mesh, module, names, inputs, grad_layouts, run, draws=draws)
 
     def _eval_program(self) -> _Program:
         if self._eval_prog is None:
@@ -478,6 +480,8 @@ class ParallelModule(nn.Module):
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise UserError(f"parameter {bad[0]}{more} holds no values; call init_weights(seed) or load a "
                             "checkpoint before the first step.")
+        if prog.draws:
+            _check_generators_alike(torch.device(self.device_mesh.device_type))
         self._checked_init = True
 
     def forward(self, *local_inputs: torch.Tensor):
@@ -493,6 +497,20 @@ class ParallelModule(nn.Module):
         res = [lay.to_dtensor(o, self.device_mesh) if lay is not None else o
                for o, lay in zip(outs, prog.program.outputs, strict=True)]
         return res[0] if len(res) == 1 else tuple(res)
+
+
+def _check_generators_alike(device: torch.device) -> None:
+    """The ranks' random generators are in one state: each draws a dropout mask whole and keeps
+    its piece (``plan/strategies.py``), so the pieces make one mask only if every rank draws the
+    same numbers (with tensor parallelism, replicas that drew different masks would disagree)."""
+    if dist.get_world_size() == 1:
+        return
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    states: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, hashlib.sha256(state.numpy().tobytes()).hexdigest(), group=_object_group())
+    if len(set(states)) > 1:
+        raise UserError("the model draws dropout masks, and the ranks' random generators differ; seed "
+                        "every rank alike (torch.manual_seed(seed)) before the first step.")
 
 
 def _check_count(prog: _Program, inputs: Sequence[torch.Tensor], kind: str) -> None:

@@ -63,6 +63,21 @@ def test_train_fsdp_tp_sp_with_passes_matches_one_process_and_resumes_anywhere(t
 
 
 @pytest.mark.slow
+def test_train_hf_model_with_attention_dropout_draws_the_masks_of_one_process(tmp_path):
+    """Every rank and the reference seed alike; each rank draws a mask whole and keeps its
+    slice (its batch rows over dp, its heads over tp): the curve is one process's."""
+    config = json.loads(HF_TINY["llama"].read_text())
+    config["attention_dropout"] = 0.1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    res = train("--model", f"hf:{tmp_path / 'config.json'}", *MESH_2X2, "--plan", "fsdp_tp", "--steps", "3",
+                "--check")
+    assert res["max_rel_diff"] <= 1e-6
+    # The same weights and batch without dropout: another first loss, so masks were drawn.
+    plain = train("--model", f"hf:{HF_TINY['llama']}", "--mesh", "2", "--plan", "ddp", "--steps", "1")
+    assert abs(plain["losses"][0] - res["losses"][0]) > 1e-4
+
+
+@pytest.mark.slow
 def test_train_hf_model_on_text_with_a_tokenizer_then_export_for_transformers(tmp_path):
     """An HF config trains on a local text file through a local tokenizer.json; the checkpoint
     exports to a directory transformers loads, with the trained weights."""
