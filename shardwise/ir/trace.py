@@ -24,7 +24,6 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.errors import UserError
-from shardwise.ir.match import draws_random
 
 
 class Phase(enum.Enum):
@@ -107,8 +106,6 @@ def _phases(gm: fx.GraphModule, train: bool) -> dict[str, Phase]:
 aten = torch.ops.aten
 # In-place ops whose functional form is not their name without the trailing underscore.
 _FUNCTIONAL_FORMS = {aten.bernoulli_.float: aten.bernoulli.p}
-# The random draws the planner and the lowering support (``plan/strategies.py``: replicated).
-SUPPORTED_DRAWS = frozenset({aten.bernoulli.p})
 
 
 def _functional_form(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
@@ -132,10 +129,7 @@ def _functionalize_fresh(gm: fx.GraphModule) -> None:
     functional form. Dropout traces as ``mask = bernoulli_(empty_like(x), 1 - p)`` then
     ``div_(mask, 1 - p)``: no other op sees the buffer before or after the write, so
     ``bernoulli(empty_like(x), 1 - p)`` and ``div(mask, 1 - p)`` give every reader the same
-    values. A random op's buffer made by ``empty_like(x)`` becomes ``empty_strided`` of x's
-    shape and strides (the same draws: the kernel fills the same layout): the mask then depends
-    on no value, and the planner need not move x to draw it (random draws are planned
-    replicated, ``plan/strategies.py``)."""
+    values."""
     graph = gm.graph
     for n in list(graph.nodes):
         op = n.target
@@ -146,19 +140,47 @@ def _functionalize_fresh(gm: fx.GraphModule) -> None:
         if (fn is None or not _writes_first_only(op) or not isinstance(buf, fx.Node)
                 or buf.op != "call_function" or len(buf.users) != 1):
             continue
-        if torch.Tag.nondeterministic_seeded in op.tags and buf.target is aten.empty_like.default:
-            val = buf.meta["val"]
-            with graph.inserting_before(buf):
-                fresh = graph.call_function(aten.empty_strided.default, (list(val.shape), list(val.stride())),
-                                            {"dtype": val.dtype, "device": val.device})
-            fresh.meta = dict(buf.meta)
-            buf.replace_all_uses_with(fresh)
-            graph.erase_node(buf)
         with graph.inserting_before(n):
             new = graph.call_function(fn, n.args, n.kwargs)
         new.meta = dict(n.meta)
         n.replace_all_uses_with(new)
         graph.erase_node(n)
+
+
+# Random draws shaped like a value, and the same draws made from the shape alone (for a
+# contiguous value: the kernels fill the same layout in the same order).
+_DRAWS_FROM_SHAPE = {aten.rand_like.default: aten.rand.default, aten.randn_like.default: aten.randn.default}
+
+
+def _draws_from_shapes(gm: fx.GraphModule) -> None:
+    """Random draws read no value, only a shape: ``bernoulli(empty_like(x), p)`` draws into
+    ``empty_strided`` of x's shape and strides, ``randn_like(x)`` becomes ``randn`` of x's shape.
+    The planner then need not move x to draw (a draw is planned replicated,
+    ``plan/strategies.py``), and a draw is no value carrying the batch that a data-parallel hand
+    plan must keep split (``plan/baselines.py``)."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if n.op != "call_function":
+            continue
+        src = n.args[0] if n.args else None
+        if not isinstance(src, fx.Node):
+            continue
+        if n.target is aten.bernoulli.p and src.target is aten.empty_like.default and len(src.users) == 1:
+            val = src.meta["val"]
+            with graph.inserting_before(src):
+                fresh = graph.call_function(aten.empty_strided.default, (list(val.shape), list(val.stride())),
+                                            {"dtype": val.dtype, "device": val.device})
+            fresh.meta = dict(src.meta)
+            src.replace_all_uses_with(fresh)
+            graph.erase_node(src)
+        elif n.target in _DRAWS_FROM_SHAPE and src.meta["val"].is_contiguous():
+            val = n.meta["val"]
+            with graph.inserting_before(n):
+                new = graph.call_function(_DRAWS_FROM_SHAPE[n.target], (list(val.shape),),
+                                          {"dtype": val.dtype, "device": val.device})
+            new.meta = dict(n.meta)
+            n.replace_all_uses_with(new)
+            graph.erase_node(n)
 
 
 def _check_functional(gm: fx.GraphModule) -> None:
@@ -167,12 +189,9 @@ def _check_functional(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
-        op = n.target._schema.name.replace("::", ".")
-        if draws_random(n) and n.target not in SUPPORTED_DRAWS:
-            raise UserError(f"the model draws random numbers in {op}, which shardwise cannot split over "
-                            "ranks (it splits dropout masks only); remove that draw from the forward.")
         if not n.target._schema.is_mutable:
             continue
+        op = n.target._schema.name.replace("::", ".")
         written = n.args[0] if n.args else None
         if isinstance(written, fx.Node) and written.op in ("placeholder", "get_attr"):
             raise UserError(f"the model's forward writes a parameter, buffer or input in place ({op}; "
@@ -229,6 +248,7 @@ def trace(
         with _use_lazy_graph_module(True), fx_traceback.preserve_node_meta():
             gm = make_fx(step, tracing_mode="real", record_module_stack=True)(*params, *inputs)
     _functionalize_fresh(gm)
+    _draws_from_shapes(gm)
     _check_functional(gm)
     if gm.graph.eliminate_dead_code():
         gm.recompile()

@@ -31,8 +31,8 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
+from shardwise.ir.match import draws_random
 from shardwise.ir.meta import flat_tensors
-from shardwise.ir.trace import SUPPORTED_DRAWS
 from shardwise.plan.placement import Placements, on_mesh
 from shardwise.plan.plan import tensor_args
 
@@ -184,15 +184,6 @@ def register_norm_rules() -> None:
     register_rule(ops.rms_norm.default)(_norm_rule(1, 1, 1))
     register_rule(ops.add_rms_norm.default)(_norm_rule(1, 2, 1))
     register_rule(ops.add_rms_norm2.default)(_norm_rule(2, 2, 1))
-
-
-@register_rule(*SUPPORTED_DRAWS)
-def _random_draw(node: fx.Node, input_choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
-    """A random draw (dropout's mask) is made whole on every rank, from a generator every rank
-    seeds alike (``train/module.py`` checks it), and read by its consumers as a free slice: each
-    rank holds the numbers one process draws for its piece. Drawn sharded, every shard would
-    repeat the same numbers."""
-    return [_replicated(node, mesh.ndim)]
 
 
 @register_rule(aten.einsum.default)
@@ -532,6 +523,12 @@ def _ask(node: fx.Node, choices: dict[fx.Node, list[Placements]], mesh: DeviceMe
     in_shapes = [tuple(a.meta["val"].shape) for a in targs]
     out_shapes = [tuple(v.shape) if v is not None else None for v in _out_vals(node)]
     found: list[Strategy] | None = None
+    if draws_random(node):
+        # A random draw (a dropout mask) is made whole on every rank, from a generator every
+        # rank seeds alike (``train/module.py`` checks it), and read by its consumers as a free
+        # slice: each rank holds the numbers one process draws for its piece. Drawn sharded,
+        # every shard would repeat the same numbers.
+        return [_replicated(node, len(mesh_shape))], False
     if node.target in RULES:
         found = RULES[node.target](node, [choices[a] for a in targs], mesh)
     else:

@@ -160,6 +160,11 @@ class StepData:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # real values of fake graph constants
 
 
+# The generator state every rank and the reference draw a step's random numbers (dropout masks)
+# from: the same masks everywhere.
+DRAW_SEED = 0
+
+
 def make_step_data(program: SPMDProgram, seed: int = 0, model=None) -> StepData:
     """Real weights and inputs from ``seed``: the model's own init when ``model`` (a ``ModelSpec``)
     is given, else random values of the traced shapes."""
@@ -219,6 +224,7 @@ def reference(program: SPMDProgram,
               data: StepData) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
     """The single-process result in fp32: ``(outputs, grads)`` (training: ``outputs[0]`` is the
     loss). The eager module when there is one, else the unsharded canonical graph."""
+    torch.manual_seed(DRAW_SEED)  # its dropout masks: the ones every rank draws
     traced = program.traced
     params = {k: v.float() for k, v in data.params.items()}
     inputs = tuple(x.float() if x.dtype.is_floating_point else x for x in data.inputs)
@@ -333,6 +339,7 @@ def _run_rank(tasks: Sequence[_RankTask], backend: str, rank: int, fault: Fault 
             if fault.fault_kind is FaultKind.HANG:
                 time.sleep(HANG_S)
             raise RuntimeError(f"planted fault on rank {rank}")
+        torch.manual_seed(DRAW_SEED)  # every rank draws the reference's masks, whole (strategies.py)
         with torch.no_grad(), CollectiveCounter() as counter:
             if task.measure:
                 res, nbytes = run_measured(gm, args, task.backward_start)

@@ -42,7 +42,8 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from shardwise.errors import UserError
-from shardwise.ir.trace import SUPPORTED_DRAWS, Traced
+from shardwise.ir.match import draws_random
+from shardwise.ir.trace import Traced
 from shardwise.lower.spmd import Layout, SPMDProgram, lower_on
 from shardwise.mesh import Mesh, destroy_world
 from shardwise.passes import COMPILED_RUNTIME_PASSES, RUNTIME_PASSES, remat, run_passes
@@ -364,8 +365,12 @@ class ParallelModule(nn.Module):
         run_passes(gm, list(COMPILED_RUNTIME_PASSES if compiled else RUNTIME_PASSES))
         # Inductor fuses the program's elementwise chains into kernels; it compiles on the first
         # call (then from its cache on disk). Eagerly, each op is called through PyTorch's own
-        # binding, a cheaper call than its OpOverload (runtime/bindings.py).
-        run = torch.compile(gm, fullgraph=True, dynamic=False) if compiled else direct_calls(gm)
+        # binding, a cheaper call than its OpOverload (runtime/bindings.py). Dropout masks are
+        # drawn by PyTorch's own kernels when compiled too (Inductor's generator draws other
+        # numbers than one process's eager step).
+        draws = any(draws_random(n) for n in gm.graph.nodes)
+        run = (torch.compile(gm, fullgraph=True, dynamic=False, options={"fallback_random": draws})
+               if compiled else direct_calls(gm))
         lays = program.param_layouts()
         names = list(traced.params)
         for k in names:
@@ -383,7 +388,6 @@ class ParallelModule(nn.Module):
                     raise UserError(f"the plan delivers the gradient of {k} in another placement than "
                                     "the parameter; plan it again.")
                 grad_layouts.append(lay)
-        draws = any(n.target in SUPPORTED_DRAWS for n in gm.graph.nodes)
         return _Program(program, self.device_mesh, module, names, inputs, grad_layouts, run, draws=draws)
 
     def _eval_program(self) -> _Program:

@@ -11,6 +11,7 @@ from shardwise.cli import main
 from shardwise.ir.trace import trace_model
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan.plan import NodeSpec, Plan, graph_fingerprint
+from tests.helpers import HF_TINY
 
 JSON_KEYS = {"world_size", "plan", "loss", "loss_ref", "max_rel_err", "collectives", "rewrites", "wall_s"}
 TINY = ["--model", "llama-tiny", "--layers", "1", "--batch", "4", "--seq", "8"]
@@ -26,6 +27,20 @@ def test_json_report_of_a_checked_ddp_step(capsys):
     assert out["loss"] == pytest.approx(out["loss_ref"], rel=1e-5)
     assert out["collectives"]["measured"] == out["collectives"]["predicted"] == out["collectives"]["program"]
     assert out["rewrites"] == {} and out["wall_s"] > 0
+
+
+@pytest.mark.slow
+def test_a_step_with_dropout_draws_the_references_masks(capsys, tmp_path):
+    """Every rank and the reference seed the generator alike; each rank draws the attention's
+    dropout mask whole and keeps its slice: the step is the reference's."""
+    config = json.loads(HF_TINY["llama"].read_text())
+    config["attention_dropout"] = 0.1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["run", "--model", f"hf:{tmp_path / 'config.json'}", "--layers", "1", "--batch", "4", "--seq", "8",
+            "--mesh", "2", "--plan", "fsdp", "--check", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_rel_err"] <= 1e-5
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
-"""Dropout: a model that draws masks in its forward traces to a functional graph, trains on gloo
-ranks with the masks one process draws from the same seed, and what shardwise refuses instead
-(random draws it cannot split, a forward that writes its buffers)."""
+"""Dropout: a model that draws masks in its forward traces to a functional graph and trains on
+gloo ranks with the masks one process draws from the same seed; what shardwise refuses (ranks
+seeded apart, a forward that writes its buffers)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.errors import UserError
-from shardwise.ir.match import writes_in_place
+from shardwise.ir.match import draws_random, writes_in_place
 from shardwise.ir.trace import trace
 from tests.helpers import spawn
 
@@ -58,18 +58,31 @@ class AttentionDropout(nn.Module):
         return F.cross_entropy(self.head(h.transpose(1, 2).flatten(2)).flatten(0, 1), tgt.flatten())
 
 
-@pytest.mark.parametrize(("module", "n_draws"), [(DropoutMLP, 2), (AttentionDropout, 1)])
+class Noisy(nn.Module):
+    """Noise added to the embedding: a draw that reads a value (for its shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, idx, tgt):
+        h = self.emb(idx)
+        return F.cross_entropy(self.head(h + 0.1 * torch.randn_like(h)).flatten(0, 1), tgt.flatten())
+
+
+@pytest.mark.parametrize(("module", "n_draws"), [(DropoutMLP, 2), (AttentionDropout, 1), (Noisy, 1)])
 def test_dropout_traces_to_a_functional_draw_that_reads_no_value_and_draws_what_eager_draws(module, n_draws):
     torch.manual_seed(0)
     model = module()
     idx, tgt = _batch()
     traced = trace(model, idx, tgt)
     nodes = list(traced.gm.graph.nodes)
-    draws = [n for n in nodes if n.target is aten.bernoulli.p]
+    draws = [n for n in nodes if draws_random(n)]
     assert len(draws) == n_draws
     assert not any(writes_in_place(n) for n in nodes)
-    # The mask's buffer is made from the shape alone: drawing it needs no activation.
-    buffers = [d.args[0] for d in draws]
+    # A mask's buffer is made from the shape alone: drawing it needs no activation.
+    buffers = [d.args[0] for d in draws if d.target is aten.bernoulli.p]
     assert all(b.target is aten.empty_strided.default and not b.all_input_nodes for b in buffers)
 
     params = dict(model.named_parameters())
@@ -94,36 +107,24 @@ class _BatchNormed(nn.Module):
         return F.cross_entropy(self.head(self.norm(self.emb(idx).flatten(0, 1))), tgt.flatten())
 
 
-class _Noisy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 32)
-        self.head = nn.Linear(32, VOCAB)
-
-    def forward(self, idx, tgt):
-        h = self.emb(idx)
-        return F.cross_entropy(self.head(h + 0.1 * torch.randn_like(h)).flatten(0, 1), tgt.flatten())
-
-
-@pytest.mark.parametrize(("module", "says"), [
-    (_BatchNormed, "BatchNorm's running statistics"),
-    (_Noisy, "draws random numbers in aten.randn_like"),
-])
-def test_what_cannot_be_split_is_refused_in_one_sentence(module, says):
-    with pytest.raises(UserError, match=says) as err:
-        trace(module(), *_batch())
+def test_a_forward_that_writes_its_buffers_is_refused_in_one_sentence():
+    with pytest.raises(UserError, match="BatchNorm's running statistics") as err:
+        trace(_BatchNormed(), *_batch())
     assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
 
 
-def _train(rank: int, world: int, plan: str, mesh: str, seed_by_rank: bool) -> dict:
+def _train(rank: int, world: int, plan: str, mesh: str, seed_by_rank: bool, model=None,
+           compile: bool = False) -> dict:
     from shardwise.train import parallelize
 
+    model = model or DropoutMLP
     torch.manual_seed(0)
-    module = DropoutMLP()
-    reference = DropoutMLP()
+    module = model()
+    reference = model()
     reference.load_state_dict(module.state_dict())
     idx, tgt = _batch()
-    pm = parallelize(module, mesh, [idx, tgt], plan=plan, mesh_names=("dp", "tp") if "x" in mesh else None)
+    pm = parallelize(module, mesh, [idx, tgt], plan=plan, mesh_names=("dp", "tp") if "x" in mesh else None,
+                     compile=compile)
     torch.manual_seed(1 + (rank if seed_by_rank else 0))
     try:
         losses = []
@@ -147,13 +148,15 @@ def _train(rank: int, world: int, plan: str, mesh: str, seed_by_rank: bool) -> d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("plan", "mesh", "world"), [
-    ("fsdp", "2", 2),
-    ("fsdp_tp", "2x2", 4),  # the MLP's hidden activation, and its mask's slice, sharded over tp
-    ("auto", "2", 2),  # a model without decoder layers: no layer for the planner to checkpoint
+@pytest.mark.parametrize(("plan", "mesh", "world", "model", "compile"), [
+    ("fsdp", "2", 2, DropoutMLP, False),
+    ("fsdp_tp", "2x2", 4, DropoutMLP, False),  # the hidden activation and its mask's slice split over tp
+    ("auto", "2", 2, DropoutMLP, False),  # no decoder layers: none for the planner to checkpoint
+    ("fsdp", "2", 2, Noisy, False),  # noise the size of a batch-split activation
+    ("fsdp", "2", 2, DropoutMLP, True),  # Inductor, drawing with PyTorch's kernels
 ])
-def test_dropout_trains_on_gloo_ranks_with_the_masks_of_one_process(plan, mesh, world):
-    for got in spawn(_train, world, plan, mesh, False):
+def test_dropout_trains_on_gloo_ranks_with_the_masks_of_one_process(plan, mesh, world, model, compile):
+    for got in spawn(_train, world, plan, mesh, False, model, compile):
         assert got["losses"][0] != got["losses"][1]  # every step draws new masks
         for a, b in zip(got["losses"], got["want"], strict=True):
             assert abs(a - b) <= 1e-6 * abs(b)
