@@ -187,9 +187,8 @@ def _check_functional(gm: fx.GraphModule) -> None:
     """One clear sentence for a graph shardwise cannot plan: what the model does that it needs
     it not to, and what to change."""
     for n in gm.graph.nodes:
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-            continue
-        if not n.target._schema.is_mutable:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
+                or not n.target._schema.is_mutable:
             continue
         op = n.target._schema.name.replace("::", ".")
         written = n.args[0] if n.args else None

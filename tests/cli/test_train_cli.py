@@ -65,11 +65,11 @@ def test_train_fsdp_tp_sp_with_passes_matches_one_process_and_resumes_anywhere(t
 @pytest.mark.slow
 def test_train_hf_model_with_attention_dropout_draws_the_masks_of_one_process(tmp_path):
     """Every rank and the reference seed alike; each rank draws a mask whole and keeps its
-    slice (its batch rows over dp, its heads over tp): the curve is one process's."""
+    slice (its batch rows): the curve is one process's. (Slices over tp: tests/train/test_dropout.py.)"""
     config = json.loads(HF_TINY["llama"].read_text())
     config["attention_dropout"] = 0.1
     (tmp_path / "config.json").write_text(json.dumps(config))
-    res = train("--model", f"hf:{tmp_path / 'config.json'}", *MESH_2X2, "--plan", "fsdp_tp", "--steps", "3",
+    res = train("--model", f"hf:{tmp_path / 'config.json'}", "--mesh", "2", "--plan", "fsdp", "--steps", "2",
                 "--check")
     assert res["max_rel_diff"] <= 1e-6
     # The same weights and batch without dropout: another first loss, so masks were drawn.

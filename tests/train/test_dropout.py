@@ -153,7 +153,7 @@ def _train(rank: int, world: int, plan: str, mesh: str, seed_by_rank: bool, mode
     ("fsdp_tp", "2x2", 4, DropoutMLP, False),  # the hidden activation and its mask's slice split over tp
     ("auto", "2", 2, DropoutMLP, False),  # no decoder layers: none for the planner to checkpoint
     ("fsdp", "2", 2, Noisy, False),  # noise the size of a batch-split activation
-    ("fsdp", "2", 2, DropoutMLP, True),  # Inductor, drawing with PyTorch's kernels
+    ("fsdp", "2", 2, Noisy, True),  # Inductor, drawing with PyTorch's kernels
 ])
 def test_dropout_trains_on_gloo_ranks_with_the_masks_of_one_process(plan, mesh, world, model, compile):
     for got in spawn(_train, world, plan, mesh, False, model, compile):
