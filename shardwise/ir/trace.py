@@ -124,6 +124,15 @@ def _writes_first_only(op: torch._ops.OpOverload) -> bool:
     return bool(written) and written[0] and not any(written[1:])
 
 
+def _replace_by_call(node: fx.Node, target: object, args: tuple, kwargs: dict) -> None:
+    """``node`` becomes a call of ``target`` with the same value (its meta kept)."""
+    with node.graph.inserting_before(node):
+        new = node.graph.call_function(target, tuple(args), kwargs)
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    node.graph.erase_node(node)
+
+
 def _functionalize_fresh(gm: fx.GraphModule) -> None:
     """An in-place op on a buffer that the graph made and nothing else reads becomes its
     functional form. Dropout traces as ``mask = bernoulli_(empty_like(x), 1 - p)`` then
@@ -140,11 +149,7 @@ def _functionalize_fresh(gm: fx.GraphModule) -> None:
         if (fn is None or not _writes_first_only(op) or not isinstance(buf, fx.Node)
                 or buf.op != "call_function" or len(buf.users) != 1):
             continue
-        with graph.inserting_before(n):
-            new = graph.call_function(fn, n.args, n.kwargs)
-        new.meta = dict(n.meta)
-        n.replace_all_uses_with(new)
-        graph.erase_node(n)
+        _replace_by_call(n, fn, n.args, n.kwargs)
 
 
 # Random draws shaped like a value, and the same draws made from the shape alone (for a
@@ -167,20 +172,12 @@ def _draws_from_shapes(gm: fx.GraphModule) -> None:
             continue
         if n.target is aten.bernoulli.p and src.target is aten.empty_like.default and len(src.users) == 1:
             val = src.meta["val"]
-            with graph.inserting_before(src):
-                fresh = graph.call_function(aten.empty_strided.default, (list(val.shape), list(val.stride())),
-                                            {"dtype": val.dtype, "device": val.device})
-            fresh.meta = dict(src.meta)
-            src.replace_all_uses_with(fresh)
-            graph.erase_node(src)
+            _replace_by_call(src, aten.empty_strided.default, (list(val.shape), list(val.stride())),
+                             {"dtype": val.dtype, "device": val.device})
         elif n.target in _DRAWS_FROM_SHAPE and src.meta["val"].is_contiguous():
             val = n.meta["val"]
-            with graph.inserting_before(n):
-                new = graph.call_function(_DRAWS_FROM_SHAPE[n.target], (list(val.shape),),
-                                          {"dtype": val.dtype, "device": val.device})
-            new.meta = dict(n.meta)
-            n.replace_all_uses_with(new)
-            graph.erase_node(n)
+            _replace_by_call(n, _DRAWS_FROM_SHAPE[n.target], (list(val.shape),),
+                             {"dtype": val.dtype, "device": val.device})
 
 
 def _check_functional(gm: fx.GraphModule) -> None:

@@ -114,7 +114,7 @@ def test_a_forward_that_writes_its_buffers_is_refused_in_one_sentence():
 
 
 def _train(rank: int, world: int, plan: str, mesh: str, seed_by_rank: bool, model=None,
-           compile: bool = False) -> dict:
+           compiled: bool = False) -> dict:
     from shardwise.train import parallelize
 
     model = model or DropoutMLP
@@ -124,7 +124,7 @@ def _train(rank: int, world: int, plan: str, mesh: str, seed_by_rank: bool, mode
     reference.load_state_dict(module.state_dict())
     idx, tgt = _batch()
     pm = parallelize(module, mesh, [idx, tgt], plan=plan, mesh_names=("dp", "tp") if "x" in mesh else None,
-                     compile=compile)
+                     compile=compiled)
     torch.manual_seed(1 + (rank if seed_by_rank else 0))
     try:
         losses = []
@@ -148,15 +148,15 @@ def _train(rank: int, world: int, plan: str, mesh: str, seed_by_rank: bool, mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("plan", "mesh", "world", "model", "compile"), [
+@pytest.mark.parametrize(("plan", "mesh", "world", "model", "compiled"), [
     ("fsdp", "2", 2, DropoutMLP, False),
     ("fsdp_tp", "2x2", 4, DropoutMLP, False),  # the hidden activation and its mask's slice split over tp
     ("auto", "2", 2, DropoutMLP, False),  # no decoder layers: none for the planner to checkpoint
     ("fsdp", "2", 2, Noisy, False),  # noise the size of a batch-split activation
     ("fsdp", "2", 2, Noisy, True),  # Inductor, drawing with PyTorch's kernels
 ])
-def test_dropout_trains_on_gloo_ranks_with_the_masks_of_one_process(plan, mesh, world, model, compile):
-    for got in spawn(_train, world, plan, mesh, False, model, compile):
+def test_dropout_trains_on_gloo_ranks_with_the_masks_of_one_process(plan, mesh, world, model, compiled):
+    for got in spawn(_train, world, plan, mesh, False, model, compiled):
         assert got["losses"][0] != got["losses"][1]  # every step draws new masks
         for a, b in zip(got["losses"], got["want"], strict=True):
             assert abs(a - b) <= 1e-6 * abs(b)
