@@ -47,6 +47,7 @@ import torch.distributed as dist
 from shardwise.errors import UserError
 from shardwise.lower.spmd import SPMDProgram, rename_groups
 from shardwise.mesh import destroy_world
+from shardwise.passes import all_gather_out
 from shardwise.plan.plan import CollectiveCount
 from shardwise.runtime import wire
 from shardwise.runtime.activations import backward_start_name, run_measured
@@ -326,6 +327,9 @@ def _bind(task: _RankTask, device: torch.device) -> torch.fx.GraphModule:
     gm = task.graph.module()
     rename_groups(gm, {old: dm.get_group(d).group_name for old, d in task.group_dims.items()})
     retarget_device(gm, device)
+    # Gathers into buffers of their own: gloo's allocating gather corrupts the heap when several
+    # are in flight (passes/all_gather_out.py; a 2x2 fsdp_tp_sp rank aborted in malloc here).
+    all_gather_out.apply(gm)
     return gm
 
 
