@@ -1,6 +1,7 @@
 """The ``shardwise`` command. Each subcommand lives in its own module in this package and
 exposes ``add_parser(subparsers)``; its handler returns a JSON-able dict (for ``--json``) and
-prints the human report itself. ``UserError`` becomes one sentence on stderr and exit code 2.
+prints the human report itself. ``UserError`` becomes one sentence on stderr and exit code 2; a
+failed ``--check`` (``CheckFailed``) prints its result as usual, the sentence on stderr, exit code 1.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import importlib
 import json
 import sys
 
-from shardwise.errors import UserError
+from shardwise.errors import CheckFailed, UserError
 from shardwise.stdio import stdout_to_stderr
+
+# Exit code of a run whose --check found it off its reference (2 is bad input).
+CHECK_FAILED_EXIT = 1
 
 # Subcommand modules, in the order ``--help`` lists them.
 COMMANDS = ("trace", "plan", "run", "train", "export", "cost", "segment", "estimate")
@@ -106,15 +110,19 @@ def main(argv: list[str] | None = None) -> int:
     # With --json, stdout carries one JSON object: whatever the command, its libraries or their
     # native code print meanwhile goes to stderr.
     guard = stdout_to_stderr() if getattr(args, "json", False) else contextlib.nullcontext()
+    code = 0
     try:
         with guard:
             result = args.handler(args)
     except UserError as e:
         sys.stderr.write(f"shardwise {args.command}: error: {e}\n")
         return 2
+    except CheckFailed as e:  # the run went through: its result still goes out
+        sys.stderr.write(f"shardwise {args.command}: check failed: {e}\n")
+        result, code = e.result, CHECK_FAILED_EXIT
     if args.json:
         print(json.dumps(result, indent=None, default=str))
-    return 0
+    return code
 
 
 if __name__ == "__main__":

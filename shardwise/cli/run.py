@@ -13,6 +13,8 @@ programs run (on every rank, in one launch) and the JSON gains ``"ac": {"policy"
 "recomputed_nodes", "saved_activation_bytes": {"without", "with"}}``: the forward activations
 alive when the backward starts, measured on the ranks (largest rank); the loss, gradients and
 check are the rematerialised program's. A failed or hung rank: one sentence naming it on stderr, exit code 1.
+With ``--check`` the JSON also holds the ``tolerance`` ``max_rel_err`` must stay within: over it the
+result is still printed, one sentence goes to stderr and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 import time
 
 from shardwise.cli import add_model_options
-from shardwise.errors import UserError
+from shardwise.errors import CheckFailed, UserError
 
 PLAN_CHOICES = ("auto", "ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp")
 # Mesh dims that split the model rather than the batch (every other dim splits the batch).
@@ -36,10 +38,25 @@ RANK_FAILED_EXIT = 1
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run one sharded step on real process groups and check it")
     add_program_options(p)
-    p.add_argument("--check", action="store_true", help="compare with the single-process fp32 reference")
+    add_check_options(p, "compare the loss and gradients with the single-process fp32 reference")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent rank counts as hung")
     p.set_defaults(handler=run)
+
+
+def add_check_options(p: argparse.ArgumentParser, what: str) -> None:
+    """``--check`` and its ``--tolerance`` (run and train)."""
+    p.add_argument("--check", action="store_true", help=what)
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="largest relative difference --check accepts (default by dtype: fp32 1e-4, "
+                        "fp16 1e-2, bf16 5e-2); over it the command exits 1")
+
+
+def failed_check(err: float, tolerance: float, dtype, what: str, result: dict) -> CheckFailed:
+    """The ``CheckFailed`` of a result ``err`` off its reference."""
+    name = str(dtype).removeprefix("torch.")
+    return CheckFailed(f"{what} {err:.2e} off the one-process fp32 reference, over the tolerance "
+                       f"{tolerance:g} for {name}.", result)
 
 
 def add_program_options(p: argparse.ArgumentParser) -> None:
@@ -119,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.passes.pipeline import canonicalize
     from shardwise.passes.remat import policy_name
     from shardwise.runtime.counter import as_json
-    from shardwise.runtime.launch import RunError, _check_backend, run_many
+    from shardwise.runtime.launch import RunError, _check_backend, check_tolerance, run_many
     from shardwise.runtime.launch import run as run_program
 
     t0 = time.perf_counter()
@@ -129,6 +146,7 @@ def run(args: argparse.Namespace) -> dict:
     train = not args.inference
     ac = _ac_policy(args.ac, train) if args.ac is not None else None
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
+    tolerance = check_tolerance(spec.dtype, args.tolerance)
     check_batch(spec.batch, mesh)
     traced = trace_model(args.model, train=train, layers=args.layers, batch=args.batch, seq=args.seq,
                          dtype=args.dtype)
@@ -174,8 +192,12 @@ def run(args: argparse.Namespace) -> dict:
         result["ac"] = {"policy": policy_name(ac), "recomputed_nodes": rewrites["remat"],
                         "saved_activation_bytes": {"without": base.saved_activation_bytes,
                                                    "with": res.saved_activation_bytes}}
+    if res.max_rel_err is not None:
+        result["tolerance"] = tolerance
     if not args.json:
         _report(result, res, mesh)
+    if res.max_rel_err is not None and res.max_rel_err > tolerance:
+        raise failed_check(res.max_rel_err, tolerance, spec.dtype, f"the step's {res.worst} is", result)
     return result
 
 
@@ -190,7 +212,8 @@ def _report(result: dict, res, mesh) -> None:
         ref = f" (reference {res.loss_ref:.6f})" if res.loss_ref is not None else ""
         con.print(f"loss {res.loss:.6f}{ref}")
     if res.max_rel_err is not None:
-        con.print(f"max relative error {res.max_rel_err:.2e}" + (f" ({res.worst})" if res.worst else ""))
+        con.print(f"max relative error {res.max_rel_err:.2e}" + (f" ({res.worst})" if res.worst else "")
+                  + f", tolerance {result['tolerance']:g}")
     table = Table(title="collectives per rank")
     for col in ("kind", "predicted count", "predicted bytes", "measured count", "measured bytes"):
         table.add_column(col, justify="right" if col != "kind" else "left")

@@ -8,9 +8,10 @@ with the plan, initialises its shards from ``--seed`` (or resumes from ``--resum
 batch -> ``--check`` trains the same steps in one process in fp32 meanwhile and compares curves.
 
 ``--json`` prints one object: ``losses`` (one per step run), ``first_step``, ``tokens_per_s``,
-``step_s``, ``world_size``, ``plan``, ``checkpoints``, and with ``--check`` ``reference_losses`` and
-``max_rel_diff``. On a terminal (never with ``--json``) a progress bar shows step, loss, tokens/s
-and the time left. ``--save-dir`` also gets ``metrics.jsonl`` and ``loss.png``.
+``step_s``, ``world_size``, ``plan``, ``checkpoints``, and with ``--check`` ``reference_losses``,
+``max_rel_diff`` and the ``tolerance`` it must stay within (else exit 1). On a terminal (never
+with ``--json``) a progress bar shows step, loss, tokens/s and the time left. ``--save-dir`` also
+gets ``metrics.jsonl`` and ``loss.png``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,21 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from shardwise.cli.run import PLAN_CHOICES, RANK_FAILED_EXIT, add_program_options, check_batch
+from shardwise.cli.run import (
+    PLAN_CHOICES,
+    RANK_FAILED_EXIT,
+    add_check_options,
+    add_program_options,
+    check_batch,
+    failed_check,
+)
 from shardwise.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 # Seconds a local launch may run per step before its ranks count as hung, on top of a fixed
 # allowance for starting the ranks and lowering the program (two slow cores, four ranks).
@@ -44,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
     p.add_argument("--resume", default=None, help="continue from the newest checkpoint in this dir")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
-    p.add_argument("--check", action="store_true", help="compare with the same steps in one fp32 process")
+    add_check_options(p, "compare the loss curve with the same steps in one fp32 process")
     p.add_argument("--compile", action="store_true",
                    help="run each rank's step through torch.compile (Inductor) instead of op by op")
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds the planner may solve")
@@ -82,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.models import get_model
     from shardwise.passes import parse_passes
     from shardwise.passes.remat import parse_policy
-    from shardwise.runtime.launch import RunError, _check_backend, under_torchrun
+    from shardwise.runtime.launch import RunError, _check_backend, check_tolerance, under_torchrun
     from shardwise.train import checkpoint
     from shardwise.train.job import TrainJob
 
@@ -96,6 +109,7 @@ def run(args: argparse.Namespace) -> dict:
     parse_policy(args.ac)  # an unknown policy fails before anything starts
     opts = _options(args)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
+    check = _Check(check_tolerance(spec.dtype, args.tolerance), spec.dtype) if args.check else None
     check_batch(spec.batch, mesh)
     job = TrainJob(model=args.model, layers=args.layers, batch=spec.batch, seq=spec.seq, dtype=args.dtype,
                    mesh=mesh, plan=args.plan, passes=passes, source=None, options=opts,
@@ -111,15 +125,15 @@ def run(args: argparse.Namespace) -> dict:
     # Under torchrun every process tokenizes into its own temporary dir (no two write one file).
     job.source = _source(args, spec, None if under_torchrun() else opts.save_dir)
     if under_torchrun():
-        return _run_torchrun(args, job, t0)
+        return _run_torchrun(args, job, check, t0)
     job.plan = _plan_here(args, job).to_json()  # planned once here; ranks lower it
     timeout = args.timeout or START_ALLOWANCE_S + PER_STEP_ALLOWANCE_S * opts.last_step
     try:
-        res, ref = _launch(job, timeout, check=args.check, show=not args.json and sys.stderr.isatty())
+        res, ref = _launch(job, timeout, check=check is not None, show=not args.json and sys.stderr.isatty())
     except RunError as e:
         sys.stderr.write(f"shardwise train: error: {e}\n")
         raise SystemExit(RANK_FAILED_EXIT) from None
-    return _finish(args, job, res, ref, t0)
+    return _finish(args, job, res, ref, check, t0)
 
 
 def _plan_here(args: argparse.Namespace, job):
@@ -162,7 +176,7 @@ def train_worker(rank: int, backend: str, payload: bytes, send) -> dict:
     return run_rank(pickle.loads(payload), send)
 
 
-def _run_torchrun(args: argparse.Namespace, job, t0: float) -> dict:
+def _run_torchrun(args: argparse.Namespace, job, check: _Check | None, t0: float) -> dict:
     """This process is one rank: train; rank 0 reports (and runs the reference after)."""
     import torch.distributed as dist
 
@@ -177,11 +191,20 @@ def _run_torchrun(args: argparse.Namespace, job, t0: float) -> dict:
     if not rank0:
         args.json = False  # rank 0 speaks for the job
         return {}
-    ref = reference(job) if args.check else None
-    return _finish(args, job, res, ref, t0)
+    ref = reference(job) if check is not None else None
+    return _finish(args, job, res, ref, check, t0)
 
 
-def _finish(args: argparse.Namespace, job, res: dict, ref: list[float] | None, t0: float) -> dict:
+@dataclass(frozen=True)
+class _Check:
+    """What ``--check`` accepts: ``tolerance`` for a run in ``dtype``."""
+
+    tolerance: float
+    dtype: torch.dtype
+
+
+def _finish(args: argparse.Namespace, job, res: dict, ref: list[float] | None, check: _Check | None,
+            t0: float) -> dict:
     out = {"world_size": job.mesh.size, "mesh": list(job.mesh.shape), "mesh_names": list(job.mesh.names),
            "plan": args.plan if args.plan in PLAN_CHOICES else res["plan"], "model": args.model, "ac": job.ac,
            "compile": job.compile,
@@ -190,8 +213,11 @@ def _finish(args: argparse.Namespace, job, res: dict, ref: list[float] | None, t
         out["reference_losses"] = ref
         out["max_rel_diff"] = max((abs(a - b) / abs(b) for a, b in zip(res["losses"], ref, strict=True)),
                                   default=0.0)
+        out["tolerance"] = check.tolerance
     if not args.json:
         _report(out)
+    if ref is not None and out["max_rel_diff"] > check.tolerance:
+        raise failed_check(out["max_rel_diff"], check.tolerance, check.dtype, "the loss curve is", out)
     return out
 
 
@@ -236,6 +262,7 @@ def _report(out: dict) -> None:
         con.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {out['tokens_per_s']:,.0f} tokens/s, "
                   f"{out['step_s'] * 1e3:.1f} ms/step")
     if "max_rel_diff" in out:
-        con.print(f"reference (one process, fp32): max relative difference {out['max_rel_diff']:.2e}")
+        con.print(f"reference (one process, fp32): max relative difference {out['max_rel_diff']:.2e} "
+                  f"(tolerance {out['tolerance']:g})")
     for c in out["checkpoints"]:
         con.print(f"checkpoint {c}")

@@ -11,9 +11,10 @@ from shardwise.cli import main
 from shardwise.ir.trace import trace_model
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan.plan import NodeSpec, Plan, graph_fingerprint
-from tests.helpers import HF_TINY
+from tests.helpers import HF_TINY, check_within_and_over_tolerance
 
-JSON_KEYS = {"world_size", "plan", "loss", "loss_ref", "max_rel_err", "collectives", "rewrites", "wall_s"}
+JSON_KEYS = {"world_size", "plan", "loss", "loss_ref", "max_rel_err", "tolerance", "collectives", "rewrites",
+             "wall_s"}
 TINY = ["--model", "llama-tiny", "--layers", "1", "--batch", "4", "--seq", "8"]
 
 
@@ -23,7 +24,7 @@ def test_json_report_of_a_checked_ddp_step(capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out) == JSON_KEYS
     assert out["world_size"] == 2 and out["plan"] == "ddp"
-    assert out["max_rel_err"] <= 1e-4
+    assert out["max_rel_err"] <= out["tolerance"] == 1e-4  # fp32's
     assert out["loss"] == pytest.approx(out["loss_ref"], rel=1e-5)
     assert out["collectives"]["measured"] == out["collectives"]["predicted"] == out["collectives"]["program"]
     assert out["rewrites"] == {} and out["wall_s"] > 0
@@ -56,6 +57,15 @@ def test_passes_from_the_command_line_fuse_and_keep_the_numbers(capsys):
     assert out["collectives"]["measured"] == out["collectives"]["program"]
     assert out["collectives"]["program"] != out["collectives"]["predicted"]
     assert out["max_rel_err"] <= 1e-4
+
+
+@pytest.mark.slow
+def test_a_step_off_the_reference_by_more_than_the_tolerance_fails_the_command():
+    """A bf16 step is checked within bf16's rounding (the default tolerance); asked for fp32's,
+    the same step fails the check: exit 1, one sentence naming the worst tensor, the result
+    still printed as one JSON object."""
+    argv = ["run", *TINY, "--dtype", "bf16", "--mesh", "2", "--plan", "fsdp", "--check", "--json"]
+    check_within_and_over_tolerance(argv, "max_rel_err", "shardwise run: check failed: the step's grad ")
 
 
 def _error(capsys, *argv: str) -> str:
@@ -112,6 +122,7 @@ def test_a_plan_that_does_not_fit_is_refused_before_running(capsys):
 def test_unknown_plan_and_pass_are_refused(capsys):
     assert "neither one of auto" in _error(capsys, *TINY, "--plan", "zero3")
     assert "unknown pass 'fuse_all'" in _error(capsys, *TINY, "--passes", "fuse_all")
+    assert "--tolerance must be positive, not -1" in _error(capsys, *TINY, "--check", "--tolerance", "-1")
 
 
 @pytest.mark.slow

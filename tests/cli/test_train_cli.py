@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.helpers import HF_TINY, cli, cli_all, json_object
+from tests.helpers import HF_TINY, check_within_and_over_tolerance, cli, cli_all, json_object
 
 MESH_2X2 = ["--mesh", "2x2", "--mesh-names", "dp,tp"]
 
@@ -123,6 +123,17 @@ def test_train_compiled_matches_one_process():
     assert res["max_rel_diff"] <= 1e-4 and res["losses"][-1] < res["losses"][0]
 
 
+@pytest.mark.slow
+def test_a_curve_off_the_reference_by_more_than_the_tolerance_fails_the_command():
+    """bf16 training is checked within bf16's rounding (the default tolerance); asked for fp32's,
+    the same curve fails the check: exit 1, one sentence, the result still printed."""
+    argv = ["train", "--json", "--model", "llama-tiny", "--layers", "1", "--dtype", "bf16", "--mesh", "2",
+            "--plan", "ddp", "--steps", "3", "--check"]
+    out, failed = check_within_and_over_tolerance(argv, "max_rel_diff",
+                                                  "shardwise train: check failed: the loss curve is")
+    assert failed["losses"] == out["losses"]
+
+
 def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -148,6 +159,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
         "unknown activation checkpointing policy": [*base, "--ac", "most"],
         "is a file, not a directory": [*base, "--save-dir", str(other / "latest"), "--save-every", "1"],
         "is not a file": [*base, "--data", str(tmp_path)],
+        "--tolerance must be positive": [*base, "--check", "--tolerance", "0"],
     }
     for needle, proc in zip(cases, cli_all([[*argv, "--json"] for argv in cases.values()]), strict=True):
         assert proc.returncode == 2, (needle, proc.stderr)
