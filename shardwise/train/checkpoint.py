@@ -5,7 +5,8 @@ Layout of a save dir::
     DIR/latest                 the name of the newest complete checkpoint (replaced atomically)
     DIR/step-000010/           a DCP checkpoint: {"model": ..., "optim": ...} from get_state_dict
     DIR/step-000010/shardwise.json   step, LR schedule, model name and parameter shapes
-    DIR/step-000010/rng.pt     rank 0's torch RNG state (every rank seeds alike)
+    DIR/step-000010/rng.pt     rank 0's torch RNG states: the CPU's, and on GPUs its device's
+                               (every rank seeds alike)
 
 A save writes ``step-N.tmp`` (every rank its shards), then rank 0 adds the metadata, renames it to
 ``step-N`` and replaces ``latest``: a crash at any point leaves ``latest`` naming the previous
@@ -84,7 +85,7 @@ def save(root: str | Path, step: int, module: nn.Module, optimizer: torch.optim.
     if _rank() == 0:
         meta = CheckpointMeta(step, model_name, param_shapes(module), scheduler.state_dict(), extra or {})
         (tmp / META).write_text(json.dumps(meta.to_json(), indent=1))
-        torch.save(torch.get_rng_state(), tmp / RNG)
+        torch.save(_rng_states(module), tmp / RNG)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -146,8 +147,33 @@ def load(root: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer, 
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(meta.scheduler)
-    torch.set_rng_state(torch.load(path / RNG))
+    _set_rng_states(module, torch.load(path / RNG))
     return meta
+
+
+def _device_type(module: nn.Module) -> str:
+    """Where the module's parameters live ("cpu", "cuda", ...)."""
+    p = next(module.parameters(), None)
+    return p.device.type if p is not None else "cpu"
+
+
+def _rng_states(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The generators a step draws from: the CPU's, and the current device's of an accelerator
+    module (dropout masks drawn there)."""
+    states = {"cpu": torch.get_rng_state()}
+    kind = _device_type(module)
+    if kind != "cpu":
+        states[kind] = torch.get_device_module(kind).get_rng_state()
+    return states
+
+
+def _set_rng_states(module: nn.Module, states: dict[str, torch.Tensor] | torch.Tensor) -> None:
+    if isinstance(states, torch.Tensor):  # a checkpoint written before the device's state was kept
+        states = {"cpu": states}
+    torch.set_rng_state(states["cpu"])
+    kind = _device_type(module)
+    if kind != "cpu" and kind in states:
+        torch.get_device_module(kind).set_rng_state(states[kind])
 
 
 def load_plain(root: str | Path, module: nn.Module) -> CheckpointMeta:

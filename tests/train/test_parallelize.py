@@ -246,3 +246,28 @@ def test_mesh_without_process_group_is_refused():
     assert not dist.is_initialized() or dist.get_backend() == "fake"
     with pytest.raises(UserError, match="torchrun"):
         sw.parallelize(gpt2.GPT2(), "2x2", [idx, tgt], loss_fn=gpt2.loss_fn)
+
+
+def test_a_checkpoint_restores_the_generator_dropout_draws_from(one_process_group, tmp_path):
+    """Resuming draws the numbers training would have drawn next (a dropout model's masks), from a
+    checkpoint of this format or of the one that kept the CPU state alone."""
+    import shardwise.train as sw
+    from shardwise.train import checkpoint
+
+    model = gpt2.GPT2()
+    idx, tgt = gpt2.batch(0)
+    pm = sw.parallelize(model, "1", [idx, tgt], plan="ddp", loss_fn=gpt2.loss_fn, time_limit_s=20)
+    opt = torch.optim.AdamW(pm.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    torch.manual_seed(3)
+    path = checkpoint.save(tmp_path, 1, pm, opt, sched, "gpt2")
+    want = torch.rand(4)
+    assert set(torch.load(path / checkpoint.RNG)) == {"cpu"}
+    torch.manual_seed(99)
+    checkpoint.load(tmp_path, pm, opt, sched, "gpt2")
+    assert torch.equal(torch.rand(4), want)
+    torch.manual_seed(3)  # the format before: the CPU state alone
+    torch.save(torch.get_rng_state(), path / checkpoint.RNG)
+    torch.manual_seed(99)
+    checkpoint.load(tmp_path, pm, opt, sched, "gpt2")
+    assert torch.equal(torch.rand(4), want)
