@@ -115,8 +115,9 @@ class LayerPolicies:
     layers: tuple[ACPolicy, ...]
 
     def uniform(self) -> ACPolicy | None:
-        """The one policy every layer runs, else None."""
-        kinds = set(self.layers)
+        """The one policy every layer runs, else None. A choice naming no layer (the planner found
+        no decoder layer by its parameters' names) checkpoints nothing: none."""
+        kinds = set(self.layers) or {ACPolicy.NONE}
         return kinds.pop() if len(kinds) == 1 else None
 
     def counts(self) -> dict[ACPolicy, int]:
@@ -393,6 +394,7 @@ def layer_of(forward: list[fx.Node], starts: list[fx.Node]) -> dict[fx.Node, int
 def _policy_of(policy: AnyPolicy, forward: list[fx.Node],
                spine_nodes: set[fx.Node]) -> dict[fx.Node, ACPolicy]:
     """Each forward node's policy (its layer's, see the module docstring)."""
+    policy = simplify_policy(policy)
     if isinstance(policy, ACPolicy):
         return dict.fromkeys(forward, policy)
     starts = layer_starts(spine_nodes, forward)

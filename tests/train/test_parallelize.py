@@ -157,6 +157,41 @@ def test_one_device_module_is_the_model(one_process_group):
         assert torch.allclose(p.grad.full_tensor(), grads[k], rtol=1e-4, atol=1e-6), k
 
 
+class _TorchAttention(torch.nn.Module):
+    """Attention from torch.nn (no ``layers.N`` in its parameters' names): the planner finds no
+    decoder layer to checkpoint, the remat pass one attention block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 32)
+        self.att = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = torch.nn.Linear(32, 50)
+
+    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        a, _ = self.att(h, h, h, need_weights=False)
+        return torch.nn.functional.cross_entropy(self.head(a + h).flatten(0, 1), tgt.flatten())
+
+
+def test_attention_outside_named_layers_plans_auto_and_is_the_model(one_process_group):
+    """The auto plan's checkpointing choice names no layer; it runs as none (it failed: "names 0
+    layers but the graph has 1")."""
+    import shardwise.train as sw
+
+    torch.manual_seed(0)
+    model = _TorchAttention()
+    idx, tgt = torch.randint(0, 50, (8, 16)), torch.randint(0, 50, (8, 16))
+    want = model(idx, tgt)
+    want.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    pm = sw.parallelize(model, "1", [idx, tgt], plan="auto", time_limit_s=20)
+    loss = pm(*pm.shard_inputs(idx, tgt))
+    loss.backward()
+    assert torch.allclose(loss, want, rtol=1e-5)
+    for k, p in pm.named_parameters():
+        assert torch.allclose(p.grad.full_tensor(), grads[k], rtol=1e-4, atol=1e-6), k
+
+
 def test_gradients_reach_every_way_autograd_hands_them_out(one_process_group):
     """``loss.backward()`` puts the gradients in ``.grad`` directly, but hooks, accumulation,
     ``backward(inputs=...)`` and ``torch.autograd.grad`` see the same gradients as through
