@@ -17,6 +17,10 @@ class HFCausalLM(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        if getattr(model, "loss_type", None) is None:
+            # A causal LM's loss is cross-entropy on the shifted tokens; without it named, some
+            # families (GPT-2) warn on stderr at every first loss that they fall back to it.
+            model.loss_type = "ForCausalLM"
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         out = self.model(input_ids=tokens, labels=labels, use_cache=False)

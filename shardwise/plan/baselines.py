@@ -51,7 +51,7 @@ from shardwise.ir.flops import is_view
 from shardwise.ir.match import arg_node, cast_dtype, is_op, mul_other
 from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh
-from shardwise.plan.placement import Placements, on_mesh
+from shardwise.plan.placement import Placements, on_mesh, placements_str
 from shardwise.plan.plan import tensor_args
 from shardwise.plan.strategies import divides_evenly, flat_tensor_vals
 
@@ -101,10 +101,21 @@ def _tp_role(param: str, ndim: int) -> Placements | None:
 
 def baseline_spec(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | None:
     """The fixed placements of baseline ``name`` on ``mesh``, or None when it does not apply."""
+    spec = _spec_or_refusal(name, traced, mesh)
+    return spec if isinstance(spec, BaselineSpec) else None
+
+
+def baseline_refusal(name: str, traced: Traced, mesh: Mesh) -> str | None:
+    """Why baseline ``name`` does not apply on ``mesh`` (a clause: "it needs ..."), or None."""
+    spec = _spec_or_refusal(name, traced, mesh)
+    return spec if isinstance(spec, str) else None
+
+
+def _spec_or_refusal(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | str:
     tp = mesh.dim(TP)
     uses_tp = name in ("fsdp_tp", "fsdp_tp_sp")
     if uses_tp and tp is None:
-        return None
+        return "it needs a mesh dim named tp"
     dp_dims = [i for i in range(mesh.ndim) if not (uses_tp and i == tp)]
     fixed: dict[str, Placements] = {}
     for pname, ph in traced.params.items():
@@ -117,7 +128,8 @@ def baseline_spec(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | None:
         ps = on_mesh(tuple(per_dim), mesh.shape)
         if not divides_evenly(ps, tuple(val.shape), mesh.shape):
             if name == "ddp" or uses_tp and per_dim[tp] != Replicate():
-                return None
+                layout = ",".join(placements_str(ps))
+                return f"it splits {pname} {list(val.shape)} as {layout}, which the mesh does not divide"
             # FSDP of a weight the mesh does not divide: keep that one replicated (as FSDP does
             # for small odd-shaped parameters by padding; we do not pad).
             ps = tuple(Replicate() if i in dp_dims else p for i, p in enumerate(ps))
@@ -126,7 +138,7 @@ def baseline_spec(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | None:
         val = traced.node(inp).meta["val"]
         ps = on_mesh(tuple(Shard(0) if i in dp_dims else Replicate() for i in range(mesh.ndim)), mesh.shape)
         if not divides_evenly(ps, tuple(val.shape), mesh.shape):
-            return None
+            return f"it splits the input {list(val.shape)} by its batch, which the mesh does not divide"
         fixed[inp] = ps
     norm_layout = None
     if uses_tp:

@@ -26,7 +26,14 @@ from shardwise.errors import UserError
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
 from shardwise.passes.remat import ACPolicy
-from shardwise.plan.baselines import BASELINES, BaselineSpec, baseline_spec, node_filter, tensor_parallel_uses
+from shardwise.plan.baselines import (
+    BASELINES,
+    BaselineSpec,
+    baseline_refusal,
+    baseline_spec,
+    node_filter,
+    tensor_parallel_uses,
+)
 from shardwise.plan.cluster import Clustering, cluster, no_clustering
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.ilp import (
@@ -586,9 +593,8 @@ def plan_named(traced: Traced, mesh: Mesh, name: str, **options) -> Plan:
     else:
         plan = make_plan(traced, mesh, baseline=name, **options)
     if plan is None:
-        need = " and a mesh dim named tp" if "tp" in name else ""
-        raise UserError(f"the {name} plan does not apply to mesh {mesh}; it needs a batch and weights the "
-                        f"mesh divides{need}.")
+        why = baseline_refusal(name, traced, mesh) or "some op of the model has no strategy in its layout"
+        raise UserError(f"the {name} plan does not apply to mesh {mesh}: {why}.")
     if plan.status in NO_PLAN:
         raise UserError(f"plan {name}: {no_plan_reason(plan)}")
     return plan

@@ -11,7 +11,7 @@ from shardwise.cli import main
 from shardwise.ir.trace import trace_model
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan.plan import NodeSpec, Plan, graph_fingerprint
-from tests.helpers import HF_TINY, check_within_and_over_tolerance
+from tests.helpers import DATA, HF_TINY, check_within_and_over_tolerance, cli_all
 
 JSON_KEYS = {"world_size", "plan", "loss", "loss_ref", "max_rel_err", "tolerance", "collectives", "rewrites",
              "wall_s"}
@@ -82,6 +82,22 @@ def test_nccl_without_gpus_is_refused(capsys):
 def test_mesh_larger_than_the_batch_is_refused(capsys):
     err = _error(capsys, *TINY, "--mesh", "8")
     assert "batch 4 cannot be split over the 8 data-parallel ranks" in err
+
+
+def test_a_hand_plan_that_does_not_apply_says_why():
+    """Run as a user runs it: the sentence names what the plan needs or the weight it cannot split
+    (GPT-2's vocabulary, 50257 rows, over 4 ranks), on one line of stderr."""
+    gpt2 = ["run", "--model", f"hf:{DATA / 'gpt2.json'}", "--layers", "1", "--batch", "4", "--seq", "8"]
+    cases = {
+        "the fsdp_tp plan does not apply to mesh 2 (dp): it needs a mesh dim named tp.":
+            ["run", *TINY, "--mesh", "2", "--plan", "fsdp_tp"],
+        "the fsdp_tp plan does not apply to mesh 2x2 (dp,tp): it splits model.transformer.wte.weight "
+        "[50257, 768] as S(0),S(0), which the mesh does not divide.":
+            [*gpt2, "--mesh", "2x2", "--mesh-names", "dp,tp", "--plan", "fsdp_tp"],
+    }
+    for sentence, proc in zip(cases, cli_all([[*argv, "--json"] for argv in cases.values()]), strict=True):
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == f"shardwise run: error: {sentence}\n"
 
 
 def test_batch_is_only_split_over_data_parallel_dims(capsys):
