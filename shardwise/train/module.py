@@ -27,6 +27,7 @@ no rank ever materialises more than one block of a tensor it does not hold.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -63,16 +64,29 @@ INIT_BLOCK_ELEMENTS = 1 << 22
 _WRAPPED = "model"
 
 
-class _WithLoss(nn.Module):
-    """``loss_fn(model(*inputs), *inputs)``: a model that returns outputs, made to return the loss."""
+def _check_takes(model: nn.Module, inputs: Sequence[torch.Tensor]) -> None:
+    """One sentence, not a TypeError from inside the trace, for a forward that cannot take the
+    inputs the step gives it."""
+    try:
+        inspect.signature(model.forward).bind(*inputs)
+    except TypeError as e:
+        raise UserError(f"{type(model).__name__}.forward cannot take the {len(inputs)} input(s) the step "
+                        f"gives it ({e}); without loss_fn it gets every example input, with one all but the "
+                        "last (n_eval_inputs sets how many).") from None
 
-    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
+
+class _WithLoss(nn.Module):
+    """``loss_fn(model(*inputs[:n]), *inputs)``: a model that returns outputs, made to return the
+    loss (``n``: the inputs the model's forward takes; None, all of them)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, n: int | None) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.n = n
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.model(*inputs), *inputs)
+        return self.loss_fn(self.model(*inputs[:self.n]), *inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,11 +615,12 @@ def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
     """Plan, lower and bind ``model`` on ``mesh``; see the module docstring.
 
     ``model``: an ``nn.Module`` whose forward returns the scalar loss (or whose outputs
-    ``loss_fn(outputs, *inputs)`` turns into it), real or on the meta device. ``example_inputs``:
+    ``loss_fn(outputs, *inputs)`` turns into it; its forward then takes the leading
+    ``n_eval_inputs`` inputs), real or on the meta device. ``example_inputs``:
     global inputs of the shapes every step will use (real or meta). ``plan``: ``"auto"``, a
     baseline name (``ddp``, ``fsdp``, ``fsdp_tp``, ``fsdp_tp_sp``), a ``Plan`` or a plan file.
-    ``n_eval_inputs``: how many leading inputs the inference program takes (default: all but the
-    last, the labels, when ``loss_fn`` is None; all of them otherwise). ``ac``: activation
+    ``n_eval_inputs``: how many leading inputs the inference program (and, with ``loss_fn``, the
+    model's forward) takes; by default all but the last, the labels. ``ac``: activation
     checkpointing of the training program (``none``, ``selective``, ``full``: the remat pass,
     after ``passes``). ``compile``: run each per-rank program through ``torch.compile``
     (Inductor) instead of op by op.
@@ -624,8 +639,12 @@ def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
     model_name = type(model).__name__
     prefix = ""
     traced_model: nn.Module = model
+    n_in = len(example_inputs)
+    if n_eval_inputs is None:
+        n_eval_inputs = n_in - 1 if n_in > 1 else n_in
+    _check_takes(model, example_inputs[:n_eval_inputs] if loss_fn is not None else example_inputs)
     if loss_fn is not None:
-        traced_model, prefix = _WithLoss(model, loss_fn), _WRAPPED
+        traced_model, prefix = _WithLoss(model, loss_fn, n_eval_inputs), _WRAPPED
     traced = _trace(traced_model, example_inputs, train=True, model_name=model_name)
     if isinstance(plan, Plan):
         given: Plan | None = plan
@@ -643,9 +662,6 @@ def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
     from shardwise.lower.spmd import check_plan
 
     check_plan(traced, chosen)
-    n_in = len(traced.inputs)
-    if n_eval_inputs is None:
-        n_eval_inputs = n_in - 1 if loss_fn is None and n_in > 1 else n_in
     return ParallelModule(model, traced_model, device_mesh, abstract, traced, chosen, passes=passes,
                           prefix=prefix, time_limit_s=time_limit_s, model_name=model_name,
                           n_eval_inputs=n_eval_inputs, ac=policy, compile=compile)

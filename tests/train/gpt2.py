@@ -53,7 +53,7 @@ class GPT2(nn.Module):
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
@@ -86,7 +86,7 @@ def main(out_dir: str, steps: int) -> None:
         model = GPT2()
     idx, tgt = batch(0)
     pm = sw.parallelize(model, "2x2", [idx, tgt], plan="fsdp_tp", mesh_names=("dp", "tp"), loss_fn=loss_fn,
-                        n_eval_inputs=1, time_limit_s=30)
+                        time_limit_s=30)
     pm.init_weights(seed=7)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses = []

@@ -192,6 +192,29 @@ def test_attention_outside_named_layers_plans_auto_and_is_the_model(one_process_
         assert torch.allclose(p.grad.full_tensor(), grads[k], rtol=1e-4, atol=1e-6), k
 
 
+def test_a_forward_of_the_tokens_alone_trains_through_loss_fn(one_process_group):
+    """With ``loss_fn`` the model's forward takes the inputs but the last, the labels, which reach
+    ``loss_fn`` only: the step's loss is the model's, the inference program's output its logits."""
+    import shardwise.train as sw
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50))
+    idx, tgt = torch.randint(0, 50, (8, 16)), torch.randint(0, 50, (8, 16))
+
+    def loss_fn(logits: torch.Tensor, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+
+    with torch.no_grad():
+        logits = model(idx)
+    want = loss_fn(logits, idx, tgt)
+    pm = sw.parallelize(model, "1", [idx, tgt], plan="ddp", loss_fn=loss_fn, time_limit_s=20)
+    assert torch.allclose(pm(*pm.shard_inputs(idx, tgt)), want, rtol=1e-5)
+    pm.eval()
+    with torch.no_grad():
+        out = pm(*pm.shard_inputs(idx))
+    assert torch.allclose(out.full_tensor(), logits, rtol=1e-5, atol=1e-6)
+
+
 def test_gradients_reach_every_way_autograd_hands_them_out(one_process_group):
     """``loss.backward()`` puts the gradients in ``.grad`` directly, but hooks, accumulation,
     ``backward(inputs=...)`` and ``torch.autograd.grad`` see the same gradients as through
@@ -259,8 +282,19 @@ def test_inputs_of_other_shapes_are_refused(one_process_group):
 def test_forward_without_scalar_loss_is_refused(one_process_group):
     import shardwise.train as sw
 
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(gpt2.VOCAB, 8)
+
+        def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            return self.emb(idx)
+
     idx, tgt = gpt2.batch(0)
     with pytest.raises(UserError, match="scalar loss"):
+        sw.parallelize(Logits(), "1", [idx, tgt], plan="ddp")
+    # GPT2.forward takes the tokens alone: without a loss_fn it would be given the labels too
+    with pytest.raises(UserError, match=r"^GPT2.forward cannot take the 2 input\(s\) the step gives it "):
         sw.parallelize(gpt2.GPT2(), "1", [idx, tgt], plan="ddp")
 
 
