@@ -411,7 +411,8 @@ def trace_stacked(module: nn.Module, stack: str, inputs: tuple, *, train: bool, 
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     results = list(out.args[0])
     new = Traced(gm=gm, train=train, params=dict(zip(full_names, ph_names, strict=True)),
-                 inputs=[n.name for n in placeholders[len(full_names):]], model_name=model_name)
+                 inputs=[n.name for n in placeholders[len(full_names):]], model_name=model_name,
+                 output_tree=traced.output_tree)
     if train:
         new.loss = results[0].name
         grads = zip(full_names, results[1:], strict=True)

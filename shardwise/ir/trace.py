@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -37,7 +38,9 @@ class Traced:
 
     ``params`` maps a parameter name to its placeholder's node name; ``grads`` maps it to the
     name of the node whose value is returned as its gradient. ``inputs`` lists the placeholders of
-    the example inputs; ``loss`` (training) or ``outputs`` (inference) name the returned nodes.
+    the example inputs; ``loss`` (training) or ``outputs`` (inference) name the returned nodes;
+    ``output_tree`` (inference) is how the forward nested them (a tuple, a dict, a transformers
+    ``ModelOutput``): the graph returns its leaves in order.
     """
 
     gm: fx.GraphModule
@@ -49,6 +52,7 @@ class Traced:
     outputs: list[str] = field(default_factory=list)
     phases: dict[str, Phase] = field(default_factory=dict)
     model_name: str = ""
+    output_tree: pytree.TreeSpec | None = None
     _index: dict[str, fx.Node] = field(default_factory=dict, repr=False, compare=False)
 
     def node(self, name: str) -> fx.Node:
@@ -219,13 +223,21 @@ def trace(
     inputs = [_to_fake(mode, x) for x in example_inputs]
     buffers = {k: _to_fake(mode, b) for k, b in model.named_buffers()}
     n_params = len(params)
+    output_tree: list[pytree.TreeSpec] = []
 
     def step(*flat: torch.Tensor):
         ps = flat[:n_params]
         state = {**buffers, **dict(zip(names, ps, strict=True))}
         out = functional_call(model, state, tuple(flat[n_params:]))
         if not train:
-            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            leaves, tree = pytree.tree_flatten(out)
+            other = next((x for x in leaves if x is not None and not isinstance(x, torch.Tensor)), None)
+            if other is not None:
+                raise UserError(f"the forward returns a {type(other).__name__} among its outputs; an "
+                                "inference program returns tensors (a transformers model: set "
+                                "config.use_cache = False).")
+            output_tree.append(tree)
+            return tuple(leaves)
         if not (isinstance(out, torch.Tensor) and out.dim() == 0):
             raise UserError("a training trace needs a model whose forward returns a scalar loss.")
         # Backward nodes take the seq_nr of the forward node they differentiate (as in
@@ -258,6 +270,7 @@ def trace(
         params={k: placeholders[i].name for i, k in enumerate(names)},
         inputs=[n.name for n in placeholders[n_params:]],
         model_name=model_name,
+        output_tree=output_tree[0] if output_tree else None,
     )
     if train:
         traced.loss = results[0].name

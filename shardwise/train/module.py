@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
@@ -514,7 +515,7 @@ class ParallelModule(nn.Module):
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         res = [lay.to_dtensor(o, self.device_mesh) if lay is not None else o
                for o, lay in zip(outs, prog.program.outputs, strict=True)]
-        return res[0] if len(res) == 1 else tuple(res)
+        return pytree.tree_unflatten(res, prog.program.traced.output_tree)  # nested as the forward did
 
 
 def _check_generators_alike(device: torch.device) -> None:

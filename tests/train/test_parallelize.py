@@ -20,6 +20,7 @@ from shardwise.mesh import destroy_world
 from shardwise.runtime.launch import rel_err
 from shardwise.train import init_values, params_on_meta
 from shardwise.train.module import init_state_dict
+from tests.helpers import HF_TINY
 from tests.train import gpt2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -213,6 +214,38 @@ def test_a_forward_of_the_tokens_alone_trains_through_loss_fn(one_process_group)
     with torch.no_grad():
         out = pm(*pm.shard_inputs(idx))
     assert torch.allclose(out.full_tensor(), logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_transformers_model_as_it_comes_trains_and_answers_with_its_own_output(one_process_group):
+    """A transformers causal LM handed over unwrapped: ``loss_fn`` reads its ``ModelOutput``'s
+    logits, and the inference program answers with a ``ModelOutput`` too. Its key/value cache is
+    no tensor an inference program can return: one sentence says to turn it off."""
+    import transformers
+
+    import shardwise.train as sw
+
+    config = json.loads(HF_TINY["llama"].read_text())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    ids = torch.randint(0, model.config.vocab_size, (4, 16))
+
+    def loss_fn(out, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+    with torch.no_grad():
+        logits = model(ids).logits
+    pm = sw.parallelize(model, "1", [ids, ids], plan="ddp", loss_fn=loss_fn, time_limit_s=20)
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert torch.allclose(pm(*pm.shard_inputs(ids, ids)), want, rtol=1e-5)
+    pm.eval()
+    with torch.no_grad(), pytest.raises(UserError, match="returns a DynamicCache among its outputs; .* "
+                                                          "set config.use_cache = False"):
+        pm(*pm.shard_inputs(ids))
+    model.config.use_cache = False
+    with torch.no_grad():
+        out = pm(*pm.shard_inputs(ids))
+    assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithPast)
+    assert torch.allclose(out.logits.full_tensor(), logits, rtol=1e-5, atol=1e-6)
 
 
 def test_gradients_reach_every_way_autograd_hands_them_out(one_process_group):
