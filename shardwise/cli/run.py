@@ -212,8 +212,8 @@ def _report(result: dict, res, mesh) -> None:
         ref = f" (reference {res.loss_ref:.6f})" if res.loss_ref is not None else ""
         con.print(f"loss {res.loss:.6f}{ref}")
     if res.max_rel_err is not None:
-        con.print(f"max relative error {res.max_rel_err:.2e}" + (f" ({res.worst})" if res.worst else "")
-                  + f", tolerance {result['tolerance']:g}")
+        con.print(f"max relative error {res.max_rel_err:.2e} (tolerance {result['tolerance']:g})"
+                  + (f", at {res.worst}" if res.worst else ""), soft_wrap=True)
     table = Table(title="collectives per rank")
     for col in ("kind", "predicted count", "predicted bytes", "measured count", "measured bytes"):
         table.add_column(col, justify="right" if col != "kind" else "left")

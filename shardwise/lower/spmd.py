@@ -74,6 +74,21 @@ OUTPUT_KEY = "<output>"
 _MESH_GET_GROUP = torch.ops._dtensor.mesh_get_process_group.default
 # The schema argument by which c10d collectives and shardwise's fused ops name their group.
 GROUP_NAME_ARG = "group_name"
+# DTensor warns on stderr of every move it runs as one collective per mesh dim where a flattened
+# mesh would merge them; the planner prices them so (``cost/reshard.py``), and the lowering traces
+# each such move once per program: the warning says nothing the plan does not.
+_REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """``logger``'s warnings silenced while the block runs."""
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,8 +332,9 @@ class _Lowerer(fx.Interpreter):
         """``v`` redistributed to ``want`` through the placements the planner priced the move by
         (``cost/reshard.reshard_path``: one mesh dim at a time where that is cheaper)."""
         hops, _ = reshard_path(tuple(v.placements), want, tuple(v.shape), v.element_size(), self.topology)
-        for hop in hops:
-            v = v.redistribute(self.mesh, hop)
+        with _quiet(_REDISTRIBUTE_LOG):
+            for hop in hops:
+                v = v.redistribute(self.mesh, hop)
         return v
 
     def _to_partial(self, v: DTensor, want: Placements) -> DTensor:

@@ -43,10 +43,14 @@ def test_segment_json_is_one_object():
 
 
 @pytest.mark.slow
-def test_run_json_is_one_object():
-    out = json_object(cli("run", *TINY, "--mesh", "2", "--plan", "ddp", "--check", "--json",
-                                    "--timeout", "240"))
-    assert out["world_size"] == 2 and out["max_rel_err"] <= 1e-4
+def test_run_json_is_one_object_and_stderr_stays_empty():
+    """The README's run: its FSDP gathers over both mesh dims are lowered through DTensor, which
+    would warn on stderr that a flattened mesh could merge them (the plan prices them as run)."""
+    proc = cli("run", *TINY, "--mesh", "2x2", "--mesh-names", "dp,tp", "--plan", "fsdp_tp_sp", "--passes",
+               "sequence_parallel,collective_matmul", "--check", "--json", "--timeout", "240")
+    out = json_object(proc)
+    assert out["world_size"] == 4 and out["max_rel_err"] <= 1e-4
+    assert proc.stderr == ""
 
 
 BAD_INPUT = [
