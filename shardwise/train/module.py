@@ -69,7 +69,11 @@ def _check_takes(model: nn.Module, inputs: Sequence[torch.Tensor]) -> None:
     """One sentence, not a TypeError from inside the trace, for a forward that cannot take the
     inputs the step gives it."""
     try:
-        inspect.signature(model.forward).bind(*inputs)
+        signature = inspect.signature(model.forward)
+    except ValueError:  # no Python signature to read: the trace will say
+        return
+    try:
+        signature.bind(*inputs)
     except TypeError as e:
         raise UserError(f"{type(model).__name__}.forward cannot take the {len(inputs)} input(s) the step "
                         f"gives it ({e}); without loss_fn it gets every example input, with one all but the "
