@@ -11,7 +11,7 @@ from shardwise.cli import main
 from shardwise.ir.trace import trace_model
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan.plan import NodeSpec, Plan, graph_fingerprint
-from tests.helpers import DATA, HF_TINY, check_within_and_over_tolerance, cli_all
+from tests.helpers import DATA, HF_TINY, cli_all, failed_check, json_object
 
 JSON_KEYS = {"world_size", "plan", "loss", "loss_ref", "max_rel_err", "tolerance", "collectives", "rewrites",
              "wall_s"}
@@ -65,7 +65,11 @@ def test_a_step_off_the_reference_by_more_than_the_tolerance_fails_the_command()
     the same step fails the check: exit 1, one sentence naming the worst tensor, the result
     still printed as one JSON object."""
     argv = ["run", *TINY, "--dtype", "bf16", "--mesh", "2", "--plan", "fsdp", "--check", "--json"]
-    check_within_and_over_tolerance(argv, "max_rel_err", "shardwise run: check failed: the step's grad ")
+    ok, tight = cli_all([argv, [*argv, "--tolerance", "1e-4"]])
+    out = json_object(ok)
+    assert out["tolerance"] == 5e-2 and out["max_rel_err"] <= 5e-2  # bf16's default
+    failed = failed_check(tight, "max_rel_err", "shardwise run: check failed: the step's grad ")
+    assert failed["max_rel_err"] == out["max_rel_err"]
 
 
 def _error(capsys, *argv: str) -> str:
