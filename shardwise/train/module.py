@@ -82,9 +82,9 @@ def _check_takes(model: nn.Module, inputs: Sequence[torch.Tensor]) -> None:
 
 class _WithLoss(nn.Module):
     """``loss_fn(model(*inputs[:n]), *inputs)``: a model that returns outputs, made to return the
-    loss (``n``: the inputs the model's forward takes; None, all of them)."""
+    loss (``n``: how many leading inputs the model's forward takes)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, n: int | None) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Callable, n: int) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
