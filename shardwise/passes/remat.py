@@ -401,8 +401,6 @@ def _policy_of(policy: AnyPolicy, forward: list[fx.Node],
     if len(starts) != len(policy.layers):
         raise UserError(f"the activation checkpointing choice names {len(policy.layers)} layers but the "
                         f"graph has {len(starts)}; plan again for this model.")
-    if not starts:  # a model without decoder layers (an MLP): no layer to checkpoint
-        return dict.fromkeys(forward, ACPolicy.NONE)
     return {n: policy.layers[k] for n, k in layer_of(forward, starts).items()}
 
 

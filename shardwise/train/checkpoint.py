@@ -85,7 +85,7 @@ def save(root: str | Path, step: int, module: nn.Module, optimizer: torch.optim.
     if _rank() == 0:
         meta = CheckpointMeta(step, model_name, param_shapes(module), scheduler.state_dict(), extra or {})
         (tmp / META).write_text(json.dumps(meta.to_json(), indent=1))
-        torch.save(_rng_states(module), tmp / RNG)
+        torch.save(generator_states(_device_type(module)), tmp / RNG)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -157,13 +157,12 @@ def _device_type(module: nn.Module) -> str:
     return p.device.type if p is not None else "cpu"
 
 
-def _rng_states(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The generators a step draws from: the CPU's, and the current device's of an accelerator
-    module (dropout masks drawn there)."""
+def generator_states(device_type: str) -> dict[str, torch.Tensor]:
+    """The states of the generators a step on ``device_type`` draws from (its dropout masks): the
+    CPU's, and on an accelerator the current device's."""
     states = {"cpu": torch.get_rng_state()}
-    kind = _device_type(module)
-    if kind != "cpu":
-        states[kind] = torch.get_device_module(kind).get_rng_state()
+    if device_type != "cpu":
+        states[device_type] = torch.get_device_module(device_type).get_rng_state()
     return states
 
 

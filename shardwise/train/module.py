@@ -504,7 +504,7 @@ class ParallelModule(nn.Module):
             raise UserError(f"parameter {bad[0]}{more} holds no values; call init_weights(seed) or load a "
                             "checkpoint before the first step.")
         if prog.draws:
-            _check_generators_alike(torch.device(self.device_mesh.device_type))
+            _check_generators_alike(self.device_mesh.device_type)
         self._checked_init = True
 
     def forward(self, *local_inputs: torch.Tensor):
@@ -522,15 +522,19 @@ class ParallelModule(nn.Module):
         return pytree.tree_unflatten(res, prog.program.traced.output_tree)  # nested as the forward did
 
 
-def _check_generators_alike(device: torch.device) -> None:
+def _check_generators_alike(device_type: str) -> None:
     """The ranks' random generators are in one state: each draws a dropout mask whole and keeps
     its piece (``plan/strategies.py``), so the pieces make one mask only if every rank draws the
     same numbers (with tensor parallelism, replicas that drew different masks would disagree)."""
     if dist.get_world_size() == 1:
         return
-    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    from shardwise.train.checkpoint import generator_states  # DCP's import (~0.1 s): only for draws
+
+    digest = hashlib.sha256()
+    for state in generator_states(device_type).values():  # the generators a checkpoint keeps
+        digest.update(state.numpy().tobytes())
     states: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, hashlib.sha256(state.numpy().tobytes()).hexdigest(), group=_object_group())
+    dist.all_gather_object(states, digest.hexdigest(), group=_object_group())
     if len(set(states)) > 1:
         raise UserError("the model draws dropout masks, and the ranks' random generators differ; seed "
                         "every rank alike (torch.manual_seed(seed)) before the first step.")
