@@ -165,3 +165,36 @@ def test_the_budget_fit_follows_the_peaks_line_when_the_overhead_grows(monkeypat
     got = planner._fit_by_schedule(None, None, plan_at(80 * gib), limit, None, [], options, price)
     assert price(got).fits
     assert price(plan_at(solved[1])).fits  # the second re-solve, on the line
+
+
+@pytest.mark.parametrize(("row_gib", "solves"), [(1.2, 0), (60.0, 1)])
+def test_the_budget_fit_tries_a_larger_budget_only_where_the_row_is_near_it(monkeypatch, row_gib, solves):
+    """A plan that fits (the solver stopped at its time limit: its bounds are no help): its memory
+    row at 1.2 of a 67 GiB budget (Phi-3, 1 layer, 2x2), no larger budget is tried; at 60 GiB one
+    is (the schedule's peak leaves room under the 80 GiB limit)."""
+    from types import SimpleNamespace
+
+    gib = 2.0**30
+    limit, budget = 80 * gib, 67 * gib
+
+    def plan_at(budget, row):
+        estimate = SimpleNamespace(memory_bytes=row, total_s=1.0)
+        return SimpleNamespace(status="feasible", ac=None, estimate=estimate,
+                               info={"memory_budget_bytes": budget, "bound_s": 0.0, "bound_any_budget_s": 0.0,
+                                     "objective_s": 1.0})
+
+    def price(plan):
+        peak = plan.estimate.memory_bytes + 1.3 * gib
+        return SimpleNamespace(fits=peak <= limit, step_s=1.0, memory_per_device_bytes=peak, ac=None)
+
+    solved = []
+
+    def make(traced, mesh, *, constraints, start_from, **options):
+        solved.append(options["memory_budget"])
+        return plan_at(options["memory_budget"], row_gib * gib)
+
+    monkeypatch.setattr(planner, "make_plan", make)
+    first = plan_at(budget, row_gib * gib)
+    got = planner._fit_by_schedule(None, None, first, limit, None, [], {"time_limit_s": 60.0}, price)
+    assert len(solved) == solves and price(got).fits
+    assert all(b > budget for b in solved)
