@@ -57,6 +57,24 @@ def add_model_options(p: argparse.ArgumentParser, default_model: str = "llama3-8
 AC_CHOICES = ("none", "selective", "full")
 
 
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a number above 0 (refused as argparse refuses: one line, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
+
+
+def check_ac_name(name: str) -> None:
+    """Refuse an ``--ac`` that names no policy (without importing torch, as ``remat`` does)."""
+    if name not in AC_CHOICES:
+        raise UserError(f"--ac {name!r}: unknown activation checkpointing policy; use one of "
+                        f"{', '.join(AC_CHOICES)}.")
+
+
 def add_step_options(p: argparse.ArgumentParser) -> None:
     """How the training step runs, as the step schedule prices it (shared by plan and estimate)."""
     p.add_argument("--ac", default=None,
@@ -72,8 +90,8 @@ def step_options(args: argparse.Namespace, mesh_names: tuple[str, ...]) -> dict:
     """The step options ``add_step_options`` parsed, checked (``StepOptions`` fields)."""
     from shardwise.passes.remat import ACPolicy
 
-    if args.ac is not None and args.ac not in AC_CHOICES:
-        raise UserError(f"--ac {args.ac!r} is unknown; use one of {', '.join(AC_CHOICES)}.")
+    if args.ac is not None:
+        check_ac_name(args.ac)
     if args.async_tp and "tp" not in mesh_names:
         raise UserError(f"--async-tp needs a tensor-parallel mesh dim named 'tp'; the mesh's dims are "
                         f"{', '.join(mesh_names)}.")

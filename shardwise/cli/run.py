@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from shardwise.cli import add_model_options
+from shardwise.cli import add_model_options, positive_float
 from shardwise.errors import CheckFailed, UserError
 
 PLAN_CHOICES = ("auto", "ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp")
@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_check_options(p: argparse.ArgumentParser, what: str) -> None:
     """``--check`` and its ``--tolerance`` (run and train)."""
     p.add_argument("--check", action="store_true", help=what)
-    p.add_argument("--tolerance", type=float, default=None,
+    p.add_argument("--tolerance", type=positive_float, default=None,
                    help="largest relative difference --check accepts (default by dtype: fp32 1e-4, "
                         "fp16 1e-2, bf16 5e-2); over it the command exits 1")
 

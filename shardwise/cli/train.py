@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardwise.cli import check_ac_name
 from shardwise.cli.run import (
     PLAN_CHOICES,
     RANK_FAILED_EXIT,
@@ -65,9 +66,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def _options(args: argparse.Namespace):
-    from shardwise.train.loop import TrainOptions
+def _checked_options(args: argparse.Namespace):
+    """The training options, refused here where the options alone are wrong: nothing has
+    imported torch yet, so a mistyped option costs no wait."""
+    from shardwise.train.options import TrainOptions, existing_file
 
+    if args.inference:
+        raise UserError("train runs training steps; drop --inference.")
+    check_ac_name(args.ac)
+    if args.tokenizer and not args.data:
+        raise UserError("--tokenizer needs --data (a text file to tokenize).")
+    if args.data:
+        existing_file(args.data, "data file")
+    if args.tokenizer:
+        existing_file(args.tokenizer, "tokenizer file")
     opts = TrainOptions(steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
                         clip=args.clip, seed=args.seed, save_dir=args.save_dir, save_every=args.save_every,
                         resume=args.resume, stop_at=args.stop_at)
@@ -78,8 +90,6 @@ def _options(args: argparse.Namespace):
 def _source(args: argparse.Namespace, spec, save_dir: str | None):
     from shardwise.train.data import SyntheticSource, byte_source, tokenize_file
 
-    if args.tokenizer and not args.data:
-        raise UserError("--tokenizer needs --data (a text file to tokenize).")
     if not args.data:
         return SyntheticSource(spec.vocab_size, args.seed)
     if args.tokenizer:
@@ -91,23 +101,19 @@ def _source(args: argparse.Namespace, spec, save_dir: str | None):
 
 
 def run(args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    args.ac = args.ac or "none"  # train runs one policy for every layer (--ac), none by default
+    opts = _checked_options(args)
     from shardwise.mesh import parse_mesh
     from shardwise.models import get_model
     from shardwise.passes import parse_passes
-    from shardwise.passes.remat import parse_policy
     from shardwise.runtime.launch import RunError, _check_backend, check_tolerance, under_torchrun
     from shardwise.train import checkpoint
     from shardwise.train.job import TrainJob
 
-    t0 = time.perf_counter()
-    if args.inference:
-        raise UserError("train runs training steps; drop --inference.")
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
     _check_backend(args.backend, mesh.size)
     passes = parse_passes(args.passes)
-    args.ac = args.ac or "none"  # train runs one policy for every layer (--ac), none by default
-    parse_policy(args.ac)  # an unknown policy fails before anything starts
-    opts = _options(args)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
     check = _Check(check_tolerance(spec.dtype, args.tolerance), spec.dtype) if args.check else None
     check_batch(spec.batch, mesh)

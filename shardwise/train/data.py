@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from shardwise.errors import UserError
+from shardwise.train.options import existing_file
 
 # Byte-level tokens: one id per byte.
 BYTE_VOCAB = 256
@@ -78,7 +79,7 @@ class TokenFileSource:
 
 def byte_source(path: str, vocab_size: int) -> TokenFileSource:
     """A text file read as byte-level tokens (needs a vocabulary of at least 256 ids)."""
-    p = _existing(path, "data file")
+    p = existing_file(path, "data file")
     if p.stat().st_size < 2:
         raise UserError(f"data file {path!r} is empty; give a text file with some content.")
     if vocab_size < BYTE_VOCAB:
@@ -90,8 +91,8 @@ def byte_source(path: str, vocab_size: int) -> TokenFileSource:
 def tokenize_file(path: str, tokenizer: str, out_dir: str | Path, vocab_size: int) -> TokenFileSource:
     """Encode a text file with a local Hugging Face ``tokenizer.json`` into ``out_dir/tokens.npy``
     once (the ranks then memory-map it and read only their windows)."""
-    p = _existing(path, "data file")
-    t = _existing(tokenizer, "tokenizer file")
+    p = existing_file(path, "data file")
+    t = existing_file(tokenizer, "tokenizer file")
     from tokenizers import Tokenizer
 
     try:
@@ -113,13 +114,6 @@ def tokenize_file(path: str, tokenizer: str, out_dir: str | Path, vocab_size: in
         np.lib.format.read_array_header_1_0(f)
         offset = f.tell()
     return TokenFileSource(str(out), "uint32", offset)
-
-
-def _existing(path: str, what: str) -> Path:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{what} {path!r} {'is not a file' if p.exists() else 'does not exist'}.")
-    return p
 
 
 def batch_rows(source, step: int, batch: int, seq: int, rows: slice, cols: slice) -> tuple[torch.Tensor, ...]:

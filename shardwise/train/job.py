@@ -19,14 +19,8 @@ import torch.distributed as dist
 from shardwise.mesh import Mesh, destroy_world
 from shardwise.train import checkpoint
 from shardwise.train.data import batch_rows, global_batch
-from shardwise.train.loop import (
-    TrainOptions,
-    TrainResult,
-    is_rank0,
-    make_optimizer,
-    train_steps,
-    write_metrics,
-)
+from shardwise.train.loop import TrainResult, is_rank0, make_optimizer, train_steps, write_metrics
+from shardwise.train.options import TrainOptions
 
 
 @dataclass

@@ -19,45 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import UserError
+from shardwise.train.options import TrainOptions
 
 # Where the cosine schedule ends, as a share of the peak LR (a common choice, e.g. LLaMA's 10%).
 MIN_LR_FRACTION = 0.1
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
-
-
-@dataclass
-class TrainOptions:
-    steps: int = 20  # length of the schedule (and of the run, unless stop_at)
-    lr: float = 3e-3
-    warmup: int = 2
-    weight_decay: float = 0.1
-    clip: float = 1.0  # max gradient norm; 0 disables clipping
-    seed: int = 0
-    save_dir: str | None = None
-    save_every: int = 0
-    resume: str | None = None
-    stop_at: int | None = None  # stop after this step (the schedule still spans ``steps``)
-
-    @property
-    def last_step(self) -> int:
-        """The step the run ends after."""
-        return self.stop_at or self.steps
-
-    def check(self) -> None:
-        if self.steps <= 0:
-            raise UserError(f"--steps must be a positive integer, got {self.steps}.")
-        for name in ("warmup", "save_every"):
-            if getattr(self, name) < 0:
-                raise UserError(f"--{name.replace('_', '-')} must not be negative.")
-        if self.lr <= 0 or self.clip < 0 or self.weight_decay < 0:
-            raise UserError("--lr must be positive, --clip and --weight-decay not negative.")
-        if self.save_every and not self.save_dir:
-            raise UserError("--save-every needs --save-dir.")
-        if self.save_dir and Path(self.save_dir).exists() and not Path(self.save_dir).is_dir():
-            raise UserError(f"save dir {self.save_dir!r} is a file, not a directory.")
-        if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
-            raise UserError(f"--stop-at must lie in 1..{self.steps} (--steps).")
 
 
 def lr_factor(step: int, warmup: int, steps: int) -> float:

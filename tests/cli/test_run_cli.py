@@ -142,7 +142,10 @@ def test_a_plan_that_does_not_fit_is_refused_before_running(capsys):
 def test_unknown_plan_and_pass_are_refused(capsys):
     assert "neither one of auto" in _error(capsys, *TINY, "--plan", "zero3")
     assert "unknown pass 'fuse_all'" in _error(capsys, *TINY, "--passes", "fuse_all")
-    assert "--tolerance must be positive, not -1" in _error(capsys, *TINY, "--check", "--tolerance", "-1")
+    with pytest.raises(SystemExit) as refused:  # argparse's own refusal: one line, exit 2
+        main(["run", *TINY, "--check", "--tolerance", "-1"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == "shardwise: error: argument --tolerance: must be positive, not -1\n"
 
 
 @pytest.mark.slow

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.helpers import HF_TINY, cli, cli_all, failed_check, json_object
+from tests.helpers import HF_TINY, REPO, cli, cli_all, failed_check, json_object
 
 MESH_2X2 = ["--mesh", "2x2", "--mesh-names", "dp,tp"]
 
@@ -133,6 +134,20 @@ def test_a_curve_off_the_reference_by_more_than_the_tolerance_fails_the_command(
     assert len(out["losses"]) == len(out["reference_losses"]) == 3
 
 
+def test_options_alone_are_refused_before_torch_is_imported(tmp_path):
+    """What the options alone show wrong is refused at once: the process never imports torch
+    (seconds), for a typo as for a missing file."""
+    script = ("import sys; from shardwise.cli import main; rc = main(sys.argv[1:]); "
+              "print(rc, 'torch' in sys.modules)")
+    base = ["train", "--model", "llama-tiny", "--mesh", "2"]
+    for argv in ([*base, "--steps", "0"], [*base, "--data", str(tmp_path / "missing.txt")],
+                 [*base, "--ac", "most"], [*base, "--save-every", "2"], [*base, "--tokenizer", "t.json"]):
+        proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True, text=True,
+                              check=False)
+        assert proc.stdout.split() == ["2", "False"], (argv, proc.stdout, proc.stderr)
+        assert proc.stderr.startswith("shardwise train: error: ") and proc.stderr.count("\n") == 1
+
+
 def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -158,7 +173,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
         "unknown activation checkpointing policy": [*base, "--ac", "most"],
         "is a file, not a directory": [*base, "--save-dir", str(other / "latest"), "--save-every", "1"],
         "is not a file": [*base, "--data", str(tmp_path)],
-        "--tolerance must be positive": [*base, "--check", "--tolerance", "0"],
+        "argument --tolerance: must be positive": [*base, "--check", "--tolerance", "0"],
     }
     for needle, proc in zip(cases, cli_all([[*argv, "--json"] for argv in cases.values()]), strict=True):
         assert proc.returncode == 2, (needle, proc.stderr)
