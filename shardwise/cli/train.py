@@ -7,6 +7,9 @@ with the plan, initialises its shards from ``--seed`` (or resumes from ``--resum
 ``--steps`` with AdamW, warmup + cosine LR and gradient clipping, reading only its slice of each
 batch -> ``--check`` trains the same steps in one process in fp32 meanwhile and compares curves.
 
+``--grad-accum N`` splits each step's batch into N micro-batches, the program planned for one and
+run N times, the gradients summed before the optimizer step (the reference takes the batch whole).
+
 ``--json`` prints one object: ``losses`` (one per step run), ``first_step``, ``tokens_per_s``,
 ``step_s``, ``world_size``, ``plan``, ``checkpoints``, and with ``--check`` ``reference_losses``,
 ``max_rel_diff`` and the ``tolerance`` it must stay within (else exit 1). On a terminal (never
@@ -48,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_program_options(p)
     p.add_argument("--steps", type=int, default=20, help="training steps (the LR schedule's length)")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (schedule unchanged)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="split each step's --batch into this many micro-batches, their gradients summed "
+                        "before the optimizer step (the program is planned for one micro-batch)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=int, default=2, help="linear warmup steps before the cosine decay")
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -74,6 +80,8 @@ def _checked_options(args: argparse.Namespace):
     if args.inference:
         raise UserError("train runs training steps; drop --inference.")
     check_ac_name(args.ac)
+    if args.grad_accum < 1:
+        raise UserError(f"--grad-accum must be a positive integer, got {args.grad_accum}.")
     if args.tokenizer and not args.data:
         raise UserError("--tokenizer needs --data (a text file to tokenize).")
     if args.data:
@@ -116,10 +124,14 @@ def run(args: argparse.Namespace) -> dict:
     passes = parse_passes(args.passes)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
     check = _Check(check_tolerance(spec.dtype, args.tolerance), spec.dtype) if args.check else None
-    check_batch(spec.batch, mesh)
+    if spec.batch % args.grad_accum:
+        raise UserError(f"batch {spec.batch} cannot be split into {args.grad_accum} micro-batches; use a "
+                        "--batch that --grad-accum divides.")
+    check_batch(spec.batch // args.grad_accum, mesh)
     job = TrainJob(model=args.model, layers=args.layers, batch=spec.batch, seq=spec.seq, dtype=args.dtype,
                    mesh=mesh, plan=args.plan, passes=passes, source=None, options=opts,
-                   backend=args.backend, time_limit_s=args.time_limit, ac=args.ac, compile=args.compile)
+                   backend=args.backend, time_limit_s=args.time_limit, ac=args.ac, compile=args.compile,
+                   grad_accum=args.grad_accum)
     if opts.resume:
         path = checkpoint.latest(opts.resume)
         meta = checkpoint.read_meta(path)
@@ -213,7 +225,7 @@ def _finish(args: argparse.Namespace, job, res: dict, ref: list[float] | None, c
             t0: float) -> dict:
     out = {"world_size": job.mesh.size, "mesh": list(job.mesh.shape), "mesh_names": list(job.mesh.names),
            "plan": args.plan if args.plan in PLAN_CHOICES else res["plan"], "model": args.model, "ac": job.ac,
-           "compile": job.compile,
+           "compile": job.compile, "batch": job.batch, "grad_accum": job.grad_accum,
            "data": job.source.describe(), **res, "wall_s": round(time.perf_counter() - t0, 3)}
     if ref is not None:
         out["reference_losses"] = ref
@@ -264,6 +276,9 @@ def _report(out: dict) -> None:
     first, last = out["first_step"] + 1, out["first_step"] + len(losses)
     con.print(f"[bold]{out['model']}[/] trained with the {out['plan']} plan on {out['world_size']} ranks "
               f"({'x'.join(map(str, out['mesh']))}): steps {first}..{last}")
+    if out["grad_accum"] > 1:
+        con.print(f"each step {out['grad_accum']} micro-batches of {out['batch'] // out['grad_accum']}, "
+                  f"gradients summed")
     if losses:
         con.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {out['tokens_per_s']:,.0f} tokens/s, "
                   f"{out['step_s'] * 1e3:.1f} ms/step")

@@ -39,11 +39,19 @@ class TrainJob:
     time_limit_s: float = 60.0
     ac: str = "none"
     compile: bool = False
+    grad_accum: int = 1  # micro-batches a step's batch is split into, their gradients summed
+
+    @property
+    def micro_batch(self) -> int:
+        """The samples of one micro-batch: the batch the per-rank program is planned for."""
+        return self.batch // self.grad_accum
 
     def build(self, meta: bool, dtype: str | None = None):
+        """The model, its example inputs one micro-batch."""
         from shardwise.train.models import build_model
 
-        return build_model(self.model, meta=meta, **{**self.build_options(), "dtype": dtype or self.dtype})
+        return build_model(self.model, meta=meta, **{**self.build_options(), "batch": self.micro_batch,
+                                                      "dtype": dtype or self.dtype})
 
     def build_options(self) -> dict:
         """What rebuilds this model (kept in checkpoints, for resume checks and export)."""
@@ -76,13 +84,20 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
     device = torch.device(pm.device_mesh.device_type)
 
     def step_fn(step: int) -> torch.Tensor:
-        local = []
-        for i, lay in enumerate(layouts):  # (tokens, labels): read only this rank's rows and columns
-            rows, cols = lay.index(coord)
-            local.append(batch_rows(job.source, step, job.batch, job.seq, rows, cols)[i].to(device))
-        loss = pm(*local)
-        loss.backward()
-        return loss.detach()
+        # Each micro-batch's loss is its tokens' mean: a 1/grad_accum share of each makes the
+        # summed gradients the whole batch's mean (the micro-batches hold as many tokens each).
+        total = torch.zeros((), device=device)
+        for k in range(job.grad_accum):
+            local = []
+            for i, lay in enumerate(layouts):  # (tokens, labels): only this rank's rows and columns
+                rows, cols = lay.index(coord)
+                first, stop, _ = rows.indices(job.micro_batch)
+                rows = slice(k * job.micro_batch + first, k * job.micro_batch + stop)
+                local.append(batch_rows(job.source, step, job.batch, job.seq, rows, cols)[i].to(device))
+            loss = pm(*local)
+            (loss / job.grad_accum).backward()
+            total += loss.detach()
+        return total / job.grad_accum
 
     def save(step: int) -> str:
         return str(checkpoint.save(opts.save_dir, step, pm, opt, sched, job.model, job.build_options()))

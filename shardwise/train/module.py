@@ -14,8 +14,11 @@ backward, as the plan's graph computes them) inside one ``autograd.Function``: i
 loss, and ``loss.backward()`` hands each parameter its gradient, already synchronised by the
 plan's own collectives and placed as the parameter (nothing is added behind the user's back).
 So ``torch.optim``, ``clip_grad_norm_``, LR schedulers and ``torch.distributed.checkpoint``
-work on it unchanged. In ``eval()`` mode it runs the inference program (planned on first use
-with the parameters fixed where training put them) and returns DTensor outputs.
+work on it unchanged; so does gradient accumulation (a step on each micro-batch, each loss
+scaled by 1/N before its ``backward()``: the gradients add up in ``.grad``, as in eager
+PyTorch; each micro-batch still runs its own gradient collectives). In ``eval()`` mode it runs
+the inference program (planned on first use with the parameters fixed where training put them)
+and returns DTensor outputs.
 
 Weights: a model with real weights is cut into its shards (each rank keeps only its own); a
 model on the meta device gets NaN-filled shards until ``init_weights(seed)`` or a checkpoint

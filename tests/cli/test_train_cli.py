@@ -104,6 +104,21 @@ def test_train_hf_model_on_text_with_a_tokenizer_then_export_for_transformers(tm
 
 
 @pytest.mark.slow
+def test_gradient_accumulation_equals_the_batch_whole():
+    """--grad-accum 2: each step two micro-batches of 4 through a program planned for 4, their
+    gradients summed. The curve and the gradient norms are those of the same 8 samples in one
+    program (a 1/2 share missed would double the norms; one micro-batch read twice, or one
+    gradient lost, would move the curve), and the one-process reference's."""
+    base = ["train", "--json", "--model", "llama-tiny", "--mesh", "2", "--plan", "fsdp", "--batch", "8",
+            "--steps", "4"]
+    accum, whole = map(json_object, cli_all([[*base, "--grad-accum", "2", "--check"], base]))
+    assert accum["grad_accum"] == 2 and whole["grad_accum"] == 1 and accum["batch"] == whole["batch"] == 8
+    assert max_rel(accum["losses"], whole["losses"]) <= 1e-5
+    assert max_rel(accum["grad_norms"], whole["grad_norms"]) <= 1e-5
+    assert accum["max_rel_diff"] <= 1e-4 and accum["losses"][-1] < accum["losses"][0]
+
+
+@pytest.mark.slow
 def test_train_byte_level_text_on_the_auto_plan_with_full_activation_checkpointing(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("shardwise trains on the bytes of this sentence. " * 50)
@@ -141,7 +156,8 @@ def test_options_alone_are_refused_before_torch_is_imported(tmp_path):
               "print(rc, 'torch' in sys.modules)")
     base = ["train", "--model", "llama-tiny", "--mesh", "2"]
     for argv in ([*base, "--steps", "0"], [*base, "--data", str(tmp_path / "missing.txt")],
-                 [*base, "--ac", "most"], [*base, "--save-every", "2"], [*base, "--tokenizer", "t.json"]):
+                 [*base, "--ac", "most"], [*base, "--save-every", "2"], [*base, "--tokenizer", "t.json"],
+                 [*base, "--grad-accum", "0"]):
         proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True, text=True,
                               check=False)
         assert proc.stdout.split() == ["2", "False"], (argv, proc.stdout, proc.stderr)
@@ -174,6 +190,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
         "is a file, not a directory": [*base, "--save-dir", str(other / "latest"), "--save-every", "1"],
         "is not a file": [*base, "--data", str(tmp_path)],
         "argument --tolerance: must be positive": [*base, "--check", "--tolerance", "0"],
+        "cannot be split into 3 micro-batches": [*base, "--grad-accum", "3"],
     }
     for needle, proc in zip(cases, cli_all([[*argv, "--json"] for argv in cases.values()]), strict=True):
         assert proc.returncode == 2, (needle, proc.stderr)
