@@ -21,8 +21,11 @@ FAMILIES = ("phi3.json", "qwen2_7b.json", "gemma_2b.json", "gpt2.json")
 MESH = Mesh((2, 2), ("dp", "tp"), "h100")
 # Relative slack when comparing step times (sums rounded differently).
 TIE = 1e-9
-# Enough for the small solves to finish; a solve cut short still keeps the best hand plan.
-TIME_LIMIT_S = 5.0
+# The auto ILP of a 1-layer config here (~75k columns) is not solved within seconds, nor within
+# a minute at these latency-bound sizes; what the test checks holds at any limit: the plan has
+# no fallback op, and the solve starts from the best hand plan, which a short limit keeps.
+# (benchmarks/hf_families.py solves the full-size configs to the optimum.)
+TIME_LIMIT_S = 2.0
 
 
 def _traced(config: str, layers: int):
