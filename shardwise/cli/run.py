@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from shardwise.cli import add_model_options, positive_float
+from shardwise.cli import add_model_options, check_ac_name, positive_float
 from shardwise.errors import CheckFailed, UserError
 
 PLAN_CHOICES = ("auto", "ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp")
@@ -100,9 +100,10 @@ def make_plan_for(choice: str, traced, mesh, model: str, train: bool, time_limit
 
 def _ac_policy(name: str, train: bool):
     """The ``--ac`` policy, None for ``none``; refused with ``--inference`` (nothing to save)."""
-    from shardwise.passes.remat import ACPolicy, parse_policy
+    from shardwise.passes.remat import ACPolicy
 
-    policy = parse_policy(name)
+    check_ac_name(name)
+    policy = ACPolicy(name)
     if policy is ACPolicy.NONE:
         return None
     if not train:

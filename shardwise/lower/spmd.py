@@ -77,7 +77,7 @@ GROUP_NAME_ARG = "group_name"
 # DTensor warns on stderr of every move it runs as one collective per mesh dim where a flattened
 # mesh would merge them; the planner prices them so (``cost/reshard.py``), and the lowering traces
 # each such move once per program: the warning says nothing the plan does not.
-_REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
+REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
 
 
 @contextlib.contextmanager
@@ -332,7 +332,7 @@ class _Lowerer(fx.Interpreter):
         """``v`` redistributed to ``want`` through the placements the planner priced the move by
         (``cost/reshard.reshard_path``: one mesh dim at a time where that is cheaper)."""
         hops, _ = reshard_path(tuple(v.placements), want, tuple(v.shape), v.element_size(), self.topology)
-        with _quiet(_REDISTRIBUTE_LOG):
+        with _quiet(REDISTRIBUTE_LOG):
             for hop in hops:
                 v = v.redistribute(self.mesh, hop)
         return v

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from shardwise.lower.spmd import REDISTRIBUTE_LOG
 from shardwise.mesh import Mesh, destroy_world
 from shardwise.train import checkpoint
 from shardwise.train.data import batch_rows, global_batch
@@ -70,7 +71,7 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
 
     # DTensor notes at every clip/checkpoint that a 2-D shard gathers in two steps: a performance
     # hint about PyTorch's own utilities, printed by every rank at every step, not about the job.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    REDISTRIBUTE_LOG.setLevel(logging.ERROR)
     model, spec = job.build(meta=True)
     plan = Plan.from_json(job.plan) if isinstance(job.plan, dict) else job.plan
     pm = parallelize(model, job.mesh, meta_inputs(spec), plan=plan, passes=job.passes,
