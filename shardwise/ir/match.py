@@ -142,6 +142,24 @@ def erase_if_dead(nodes: Iterable[fx.Node]) -> None:
             n.graph.erase_node(n)
 
 
+def move_readers_after(node: fx.Node) -> None:
+    """Move every node that reads ``node``, directly or through others, and stands before it in
+    the graph to just after it, in their order (a rewrite that made ``node`` a new input of
+    earlier nodes). Their other inputs stood before them, so they still do."""
+    order = topo_index(node.graph)
+    early: set[fx.Node] = set()
+    stack = [u for u in node.users if order[u] < order[node]]
+    while stack:
+        u = stack.pop()
+        if u not in early:
+            early.add(u)
+            stack.extend(v for v in u.users if order[v] < order[node])
+    at = node
+    for u in sorted(early, key=order.__getitem__):
+        at.append(u)
+        at = u
+
+
 def cast_dtype(node: object) -> torch.dtype | None:
     """The target dtype of a pure dtype cast (``_to_copy`` with no other effect), else None."""
     if not is_op(node, aten._to_copy.default):

@@ -62,6 +62,7 @@ from shardwise.ir.match import (
     is_op,
     is_wait,
     mean_cross_entropy,
+    move_readers_after,
     reported_loss,
     topo_index,
 )
@@ -213,3 +214,5 @@ def _divide_gradients(mean: Mean, count: fx.Node, *, after: fx.Node, keep: fx.No
     for g in mean.grads:
         after = insert_call_after(after, aten.div.Tensor, (g.wait, count))
         g.wait.replace_all_uses_with(after, delete_user_cb=lambda u, d=after: u not in (d, keep))
+        # An earlier bucket's slices stood right after its own wait, before this division.
+        move_readers_after(after)
