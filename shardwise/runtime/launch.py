@@ -76,11 +76,19 @@ HANG_DUMP_SHARE = 0.9
 # DeviceMesh's ops module can only be imported after torch.distributed.tensor.
 WORKER_IMPORTS = ("torch", "torch.distributed._functional_collectives", "torch.distributed.tensor",
                   "torch.distributed._ops.device_mesh", "shardwise.runtime.launch", "shardwise.ir.ops")
+
 # A planted hang sleeps this long: far past any run's timeout.
 HANG_S = 3600.0
 # Errors that say "a peer went away / did not answer", not what went wrong first.
 _PEER_ERROR_MARKERS = ("Connection closed by peer", "Timed out", "timed out", "Connection reset",
                        "DistNetworkError", "DistBackendError", "Broken pipe")
+
+
+def import_graph_ops() -> None:
+    """Register every op namespace a lowered graph may call (``WORKER_IMPORTS``), before one
+    is unpickled (``runtime/wire.py`` looks its ops up by name)."""
+    for module in WORKER_IMPORTS:
+        importlib.import_module(module)
 
 
 class FaultKind(enum.Enum):
@@ -405,8 +413,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn, payload: bytes, 
     stack_file = open(_stack_file(stacks, rank), "w")  # closed below: faulthandler may write it late
     faulthandler.dump_traceback_later(timeout_s * HANG_DUMP_SHARE, file=stack_file)
     try:
-        for module in WORKER_IMPORTS:
-            importlib.import_module(module)
+        import_graph_ops()
         torch.set_num_threads(1)  # ranks share the machine's cores
         store = dist.TCPStore(LOCALHOST, port, world, is_master=False,
                               timeout=timedelta(seconds=pg_timeout_s))

@@ -33,6 +33,7 @@ import hashlib
 import inspect
 import math
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -49,14 +50,16 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from shardwise.errors import UserError
 from shardwise.ir.match import draws_random
 from shardwise.ir.trace import Traced
-from shardwise.lower.spmd import Layout, SPMDProgram, lower_on
+from shardwise.lower.spmd import Layout, SPMDProgram, lower_on, rename_groups
 from shardwise.mesh import Mesh, destroy_world
 from shardwise.passes import COMPILED_RUNTIME_PASSES, RUNTIME_PASSES, remat, run_passes
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan.plan import Plan
+from shardwise.runtime import wire
 from shardwise.runtime.bindings import direct_calls
 from shardwise.runtime.heap import retain_freed_memory
-from shardwise.runtime.launch import real_constants, retarget_device
+from shardwise.runtime.launch import import_graph_ops, real_constants, retarget_device
+from shardwise.runtime.wire import WireGraph
 
 # Standard deviation of the normal draw for matrices (embeddings and projections): the usual
 # transformer init (GPT-2, LLaMA reference code); vectors are norm scales (ones) or biases (zeros).
@@ -158,6 +161,61 @@ def broadcast_plan(plan: Plan | None, make: Callable[[], Plan]) -> Plan:
     if isinstance(box[0], UserError):
         raise box[0]
     return Plan.from_json(box[0])
+
+
+@dataclass
+class _SentProgram:
+    """What rank 0 sends of a lowered program (``share_program``): its graph without node
+    metadata, and the fields of ``SPMDProgram`` that are the same on every rank."""
+
+    graph: WireGraph
+    dims: dict[str, int]  # rank 0's group name -> mesh dim
+    placeholders: list[Layout]
+    outputs: list[Layout | None]
+    unplanned: list[str]
+    local_ops: list[str]
+    passes: list[str]
+    rewrites: dict[str, int]
+
+
+def share_program(make: Callable[[], SPMDProgram], traced: Traced, plan: Plan,
+                  device_mesh: DeviceMesh) -> SPMDProgram:
+    """``make()`` run on rank 0 alone and its program sent to the other ranks. The graph is the
+    same on every rank (each reads its mesh coordinate at run time, ``lower_on``) but for the
+    names of its process groups, which each rank points at its own. Lowering is most of a rank's
+    start: on llama-tiny over 2x2 with fsdp_tp_sp, 2.8 s of CPU a rank, so four ranks on two
+    cores spent 5.6 s in it. ``make`` must return the program with every pass that reads node
+    metadata done: the graph travels without it (``runtime/wire.py``)."""
+    if dist.get_world_size() == 1:
+        return make()
+    box: list[object] = [None]
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        try:
+            program: SPMDProgram | Exception = make()
+            sent: object = _SentProgram(WireGraph.of(program.gm), dict(program.group_dims),
+                                        program.placeholders, program.outputs, program.unplanned,
+                                        program.local_ops, program.passes, program.rewrites)
+        except Exception as e:  # every rank must learn it, else they wait forever
+            program = e
+            sent = e if isinstance(e, UserError) else RuntimeError(f"rank 0 failed to lower the plan: {e}")
+        box[0] = wire.dumps(sent)  # op overloads travel by name
+    dist.broadcast_object_list(box, src=0, group=_object_group())
+    if rank0:
+        if isinstance(program, Exception):
+            raise program
+        return program
+    import_graph_ops()
+    sent = pickle.loads(box[0])
+    if isinstance(sent, BaseException):
+        raise sent
+    gm = sent.graph.module()
+    rename_groups(gm, {name: device_mesh.get_group(d).group_name for name, d in sent.dims.items()})
+    return SPMDProgram(gm=gm, traced=traced, plan=plan, rank=dist.get_rank(), placeholders=sent.placeholders,
+                       outputs=sent.outputs,
+                       group_dims={device_mesh.get_group(d).group_name: d for d in sent.dims.values()},
+                       unplanned=sent.unplanned, local_ops=sent.local_ops, passes=sent.passes,
+                       rewrites=sent.rewrites)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,18 +431,22 @@ class ParallelModule(nn.Module):
     # -- programs ----------------------------------------------------------------------------
 
     def _bind(self, traced: Traced, plan: Plan, module: nn.Module) -> _Program:
-        device = torch.device(self.device_mesh.device_type)
-        program = lower_on(traced, plan, self.device_mesh, rank=dist.get_rank(), device="cpu")
-        program.apply_passes(list(self._state["passes"]))
-        if traced.train and self._state["ac"] is not ACPolicy.NONE:
-            program.rewrites["remat"] = remat.apply(program.gm, self._state["ac"])
-        gm = program.gm
-        # Buffers (rotary tables...) were traced as fake constants: give them the module's values.
-        for name, value in real_constants(gm, module).items():
-            setattr(gm, name, value)
-        retarget_device(gm, device)
         compiled = self._state["compile"]
-        run_passes(gm, list(COMPILED_RUNTIME_PASSES if compiled else RUNTIME_PASSES))
+
+        def lowered() -> SPMDProgram:
+            program = lower_on(traced, plan, self.device_mesh, rank=dist.get_rank(), device="cpu")
+            program.apply_passes(list(self._state["passes"]))
+            if traced.train and self._state["ac"] is not ACPolicy.NONE:
+                program.rewrites["remat"] = remat.apply(program.gm, self._state["ac"])
+            # Buffers (rotary tables...) were traced as fake constants: the module's values.
+            for name, value in real_constants(program.gm, module).items():
+                setattr(program.gm, name, value)
+            retarget_device(program.gm, torch.device(self.device_mesh.device_type))
+            run_passes(program.gm, list(COMPILED_RUNTIME_PASSES if compiled else RUNTIME_PASSES))
+            return program
+
+        program = share_program(lowered, traced, plan, self.device_mesh)
+        gm = program.gm
         # Inductor fuses the program's elementwise chains into kernels; it compiles on the first
         # call (then from its cache on disk). Eagerly, each op is called through PyTorch's own
         # binding, a cheaper call than its OpOverload (runtime/bindings.py). Dropout masks are

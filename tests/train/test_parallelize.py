@@ -20,7 +20,7 @@ from shardwise.mesh import destroy_world
 from shardwise.runtime.launch import rel_err
 from shardwise.train import init_values, params_on_meta
 from shardwise.train.module import init_state_dict
-from tests.helpers import HF_TINY
+from tests.helpers import HF_TINY, spawn
 from tests.train import gpt2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -373,3 +373,65 @@ def test_a_checkpoint_restores_the_generator_dropout_draws_from(one_process_grou
     torch.manual_seed(99)
     checkpoint.load(tmp_path, pm, opt, sched, "gpt2")
     assert torch.equal(torch.rand(4), want)
+
+
+def _share(rank: int, world: int) -> dict:
+    """``share_program`` over a 2x2 mesh, lowering, then failing with a user's error and with a
+    bug: what each rank received and whether it lowered."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwise.ir.match import all_collectives
+    from shardwise.ir.trace import trace_model
+    from shardwise.lower.spmd import lower_on
+    from shardwise.mesh import Mesh
+    from shardwise.passes.pipeline import canonicalize
+    from shardwise.plan.planner import make_plan
+    from shardwise.train.module import share_program
+
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    traced = trace_model("llama-tiny", train=True, layers=1, batch=4, seq=16)
+    canonicalize(traced)
+    plan = make_plan(traced, Mesh((2, 2), ("dp", "tp")), baseline="fsdp_tp")
+    out: dict = {}
+    for failure in (None, "user", "bug"):
+        made = []
+
+        def make(failure=failure, made=made):
+            made.append(rank)
+            if failure == "user":
+                raise UserError("this plan cannot be lowered.")
+            if failure == "bug":
+                raise ValueError("a bug in the lowering")
+            return lower_on(traced, plan, device_mesh, rank=rank)
+
+        try:
+            program = share_program(make, traced, plan, device_mesh)
+        except Exception as e:
+            out[failure] = {"made": made, "error": f"{type(e).__name__}: {e}"}
+            continue
+        own = {device_mesh.get_group(d).group_name for d in range(2)}
+        groups = {c.group_name for c in all_collectives(program.gm.graph)}
+        out[failure] = {"made": made, "own": sorted(own), "groups": sorted(groups), "rank": program.rank,
+                        "code_lines": len(program.gm.code.splitlines()),
+                        "placeholders": [lay.name for lay in program.placeholders]}
+    return out
+
+
+@pytest.mark.slow
+def test_one_rank_lowers_and_every_rank_runs_its_program_on_its_own_groups():
+    """Rank 0 alone lowers; the others get its graph with the collectives on their own groups
+    (their names differ from rank 0's: each rank's dp group is another set of ranks). A failure
+    on rank 0 reaches every rank as an exception instead of a wait forever."""
+    ranks = spawn(_share, 4)
+    got = [r[None] for r in ranks]
+    assert [g["made"] for g in got] == [[0], [], [], []]
+    assert all(g["groups"] and set(g["groups"]) <= set(g["own"]) for g in got)
+    assert {tuple(g["own"]) for g in got} != {tuple(got[0]["own"])}  # ranks name their groups differently
+    assert len({g["code_lines"] for g in got}) == 1 and [g["rank"] for g in got] == [0, 1, 2, 3]
+    assert all(g["placeholders"] == got[0]["placeholders"] for g in got)
+    # Rank 0 raises its own exception; the others a user's error as it is, a bug as a RuntimeError.
+    user = "UserError: this plan cannot be lowered."
+    bug = "RuntimeError: rank 0 failed to lower the plan: a bug in the lowering"
+    assert [r["user"]["error"] for r in ranks] == [user] * 4
+    assert [r["bug"]["error"] for r in ranks] == ["ValueError: a bug in the lowering", bug, bug, bug]
+    assert [r["bug"]["made"] for r in ranks] == [[0], [], [], []]
