@@ -51,6 +51,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed import config as dist_config
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, placement_types
@@ -673,11 +674,29 @@ def _coordinate_at_run_time() -> Iterator[None]:
         with dist_config.patch(compile_on_one_rank=True):
             return inner(*args, **kwargs)
 
+    # One read of the coordinate per mesh and dim for the whole program: it is the rank's, the
+    # same at every read. DTensor reads it again at each redistribution, each read a runtime op
+    # with a constant of its own (37 of each in llama-tiny's fsdp_tp_sp step over 2x2).
+    sym_coordinate = DeviceMesh._sym_get_coordinate
+    read: dict[tuple, object] = {}
+
+    def coordinate_once(mesh: DeviceMesh, index: int):
+        if not dist_config.compile_on_one_rank:  # a concrete coordinate, outside a redistribution
+            return sym_coordinate(mesh, index)
+        # By the ranks the mesh lays out, not by the object: DTensor hands over equal meshes
+        # as different objects.
+        with unset_fake_temporarily():
+            key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), index)
+        if key not in read:
+            read[key] = sym_coordinate(mesh, index)
+        return read[key]
+
     with contextlib.ExitStack() as stack:
         for module in (_redistribute, _dispatch, _api):
             if hasattr(module, "redistribute_local_tensor"):
                 stack.enter_context(mock.patch.object(module, "redistribute_local_tensor",
                                                       redistribute_local_tensor))
+        stack.enter_context(mock.patch.object(DeviceMesh, "_sym_get_coordinate", coordinate_once))
         yield
 
 
