@@ -3,9 +3,10 @@
 SPMD: every rank calls ``parallelize`` with the same arguments (under ``torchrun``, or in the
 ranks ``shardwise train`` starts). It traces the model on fake tensors (a training step: the
 joint forward+backward graph), plans it (rank 0 solves, the others receive its plan, so a time
-limit can never give two ranks two plans), lowers the plan on this process's real DeviceMesh
-(under fake tensors: nothing runs, the graph's collectives name the mesh's real groups) and runs
-the requested passes on it.
+limit can never give two ranks two plans), lowers the plan on rank 0's real DeviceMesh (under
+fake tensors: nothing runs, the graph's collectives name the mesh's real groups), runs the
+requested passes on it and sends the program to the other ranks, which point its collectives at
+their own groups (``share_program``: the graph is the same on every rank).
 
 The returned ``ParallelModule`` holds the model's own submodules, so ``named_parameters()`` keep
 the model's names; each parameter is replaced by an ``nn.Parameter`` wrapping a ``DTensor`` in the
