@@ -76,7 +76,6 @@ HANG_DUMP_SHARE = 0.9
 # DeviceMesh's ops module can only be imported after torch.distributed.tensor.
 WORKER_IMPORTS = ("torch", "torch.distributed._functional_collectives", "torch.distributed.tensor",
                   "torch.distributed._ops.device_mesh", "shardwise.runtime.launch", "shardwise.ir.ops")
-
 # A planted hang sleeps this long: far past any run's timeout.
 HANG_S = 3600.0
 # Errors that say "a peer went away / did not answer", not what went wrong first.

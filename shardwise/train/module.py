@@ -55,7 +55,7 @@ from shardwise.lower.spmd import Layout, SPMDProgram, lower_on, rename_groups
 from shardwise.mesh import Mesh, destroy_world
 from shardwise.passes import COMPILED_RUNTIME_PASSES, RUNTIME_PASSES, remat, run_passes
 from shardwise.passes.remat import ACPolicy
-from shardwise.plan.plan import Plan
+from shardwise.plan.plan import CollectiveCount, Plan
 from shardwise.runtime import wire
 from shardwise.runtime.bindings import direct_calls
 from shardwise.runtime.heap import retain_freed_memory
@@ -175,6 +175,7 @@ class _SentProgram:
     outputs: list[Layout | None]
     unplanned: list[str]
     local_ops: list[str]
+    node_collectives: dict[str, dict[str, CollectiveCount]]
     passes: list[str]
     rewrites: dict[str, int]
 
@@ -196,7 +197,8 @@ def share_program(make: Callable[[], SPMDProgram], traced: Traced, plan: Plan,
             program: SPMDProgram | Exception = make()
             sent: object = _SentProgram(WireGraph.of(program.gm), dict(program.group_dims),
                                         program.placeholders, program.outputs, program.unplanned,
-                                        program.local_ops, program.passes, program.rewrites)
+                                        program.local_ops, program.node_collectives, program.passes,
+                                        program.rewrites)
         except Exception as e:  # every rank must learn it, else they wait forever
             program = e
             sent = e if isinstance(e, UserError) else RuntimeError(f"rank 0 failed to lower the plan: {e}")
@@ -215,8 +217,8 @@ def share_program(make: Callable[[], SPMDProgram], traced: Traced, plan: Plan,
     return SPMDProgram(gm=gm, traced=traced, plan=plan, rank=dist.get_rank(), placeholders=sent.placeholders,
                        outputs=sent.outputs,
                        group_dims={device_mesh.get_group(d).group_name: d for d in sent.dims.values()},
-                       unplanned=sent.unplanned, local_ops=sent.local_ops, passes=sent.passes,
-                       rewrites=sent.rewrites)
+                       unplanned=sent.unplanned, local_ops=sent.local_ops,
+                       node_collectives=sent.node_collectives, passes=sent.passes, rewrites=sent.rewrites)
 
 
 # ---------------------------------------------------------------------------------------------
