@@ -84,16 +84,19 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
     coord = pm.coordinate()
     device = torch.device(pm.device_mesh.device_type)
 
+    # (tokens, labels): this rank's rows of a micro-batch and its columns, the same every step.
+    windows = [(rows.indices(job.micro_batch)[:2], cols)
+               for rows, cols in (lay.index(coord) for lay in layouts)]
+
     def step_fn(step: int) -> torch.Tensor:
         # Each micro-batch's loss is its tokens' mean: a 1/grad_accum share of each makes the
         # summed gradients the whole batch's mean (the micro-batches hold as many tokens each).
         total = torch.zeros((), device=device)
         for k in range(job.grad_accum):
+            at = k * job.micro_batch
             local = []
-            for i, lay in enumerate(layouts):  # (tokens, labels): only this rank's rows and columns
-                rows, cols = lay.index(coord)
-                first, stop, _ = rows.indices(job.micro_batch)
-                rows = slice(k * job.micro_batch + first, k * job.micro_batch + stop)
+            for i, ((first, stop), cols) in enumerate(windows):
+                rows = slice(at + first, at + stop)
                 local.append(batch_rows(job.source, step, job.batch, job.seq, rows, cols)[i].to(device))
             loss = pm(*local)
             (loss / job.grad_accum).backward()

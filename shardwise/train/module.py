@@ -36,7 +36,7 @@ import math
 import os
 import pickle
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,7 +55,7 @@ from shardwise.lower.spmd import Layout, SPMDProgram, lower_on, rename_groups
 from shardwise.mesh import Mesh, destroy_world
 from shardwise.passes import COMPILED_RUNTIME_PASSES, RUNTIME_PASSES, remat, run_passes
 from shardwise.passes.remat import ACPolicy
-from shardwise.plan.plan import CollectiveCount, Plan
+from shardwise.plan.plan import Plan
 from shardwise.runtime import wire
 from shardwise.runtime.bindings import direct_calls
 from shardwise.runtime.heap import retain_freed_memory
@@ -164,20 +164,8 @@ def broadcast_plan(plan: Plan | None, make: Callable[[], Plan]) -> Plan:
     return Plan.from_json(box[0])
 
 
-@dataclass
-class _SentProgram:
-    """What rank 0 sends of a lowered program (``share_program``): its graph without node
-    metadata, and the fields of ``SPMDProgram`` that are the same on every rank."""
-
-    graph: WireGraph
-    dims: dict[str, int]  # rank 0's group name -> mesh dim
-    placeholders: list[Layout]
-    outputs: list[Layout | None]
-    unplanned: list[str]
-    local_ops: list[str]
-    node_collectives: dict[str, dict[str, CollectiveCount]]
-    passes: list[str]
-    rewrites: dict[str, int]
+# The fields of ``SPMDProgram`` that each rank has of its own; ``share_program`` sends the rest.
+_RANK_FIELDS = frozenset({"gm", "traced", "plan", "rank", "group_dims", "model"})
 
 
 def share_program(make: Callable[[], SPMDProgram], traced: Traced, plan: Plan,
@@ -195,10 +183,10 @@ def share_program(make: Callable[[], SPMDProgram], traced: Traced, plan: Plan,
     if rank0:
         try:
             program: SPMDProgram | Exception = make()
-            sent: object = _SentProgram(WireGraph.of(program.gm), dict(program.group_dims),
-                                        program.placeholders, program.outputs, program.unplanned,
-                                        program.local_ops, program.node_collectives, program.passes,
-                                        program.rewrites)
+            shared = {f.name: getattr(program, f.name) for f in fields(SPMDProgram)
+                      if f.name not in _RANK_FIELDS}
+            # The graph without node metadata; group names by mesh dim, for the others to rename.
+            sent: object = (WireGraph.of(program.gm), dict(program.group_dims), shared)
         except Exception as e:  # every rank must learn it, else they wait forever
             program = e
             sent = e if isinstance(e, UserError) else RuntimeError(f"rank 0 failed to lower the plan: {e}")
@@ -212,13 +200,11 @@ def share_program(make: Callable[[], SPMDProgram], traced: Traced, plan: Plan,
     sent = pickle.loads(box[0])
     if isinstance(sent, BaseException):
         raise sent
-    gm = sent.graph.module()
-    rename_groups(gm, {name: device_mesh.get_group(d).group_name for name, d in sent.dims.items()})
-    return SPMDProgram(gm=gm, traced=traced, plan=plan, rank=dist.get_rank(), placeholders=sent.placeholders,
-                       outputs=sent.outputs,
-                       group_dims={device_mesh.get_group(d).group_name: d for d in sent.dims.values()},
-                       unplanned=sent.unplanned, local_ops=sent.local_ops,
-                       node_collectives=sent.node_collectives, passes=sent.passes, rewrites=sent.rewrites)
+    graph, dims, shared = sent
+    gm = graph.module()
+    rename_groups(gm, {name: device_mesh.get_group(d).group_name for name, d in dims.items()})
+    return SPMDProgram(gm=gm, traced=traced, plan=plan, rank=dist.get_rank(),
+                       group_dims={device_mesh.get_group(d).group_name: d for d in dims.values()}, **shared)
 
 
 # ---------------------------------------------------------------------------------------------
