@@ -154,6 +154,22 @@ layers 14.3 s, gap 0.00%, step 368.8 -> 321.4 ms; 2 layers 13.9 s, 47.9 ms, gap 
 139-238 s (the budget fit's path varies: two to three solves of ~60 s, each the interior-point
 LP, the neighbourhood MIP and the MIP to their time limits), gap 4.0-4.5%, step 2.039 s
 (2.009 on the tree before, the same hour).
+
+Stop 36 (``--cases llama3-8b:2,llama3-8b:32 --modes warm --gap 0.01``, this 2-core machine on a
+busier day): 2 layers 18.6 s (solve 13.9 s; its interior-point LP alone, 107,977 columns and
+18,986 rows, 59 iterations in 15.7 s by ipx); 32 layers 19.1 s (solve 10.2 s, the hand plans and
+the budget fit 5.9 s), gap 0.03%: the 15 s met on a quieter machine is not met on this one.
+Tried, not kept: every move priced, and lowered, by its shortest chain of one-mesh-dim
+redistributions (Dijkstra over placements; e.g. ``(S(0), R) -> (R, R)`` over 8x8 as a slice over
+tp, a gather over dp of 1/8 of the bytes, a gather over tp). That makes the move costs a metric,
+the precondition for routing moves through intermediate placements (a per-dim flow, ~200 arcs
+and 25 rows against 576 pairs and 48 rows per 24 x 24 edge) exactly: on llama-tiny over 2x2,
+the pairs priced above a route through full replication went from 43,197 of 110,000 (mostly a
+small tensor's all_to_all, dearer than a gather and a local slice) to 1,964 (all through a new
+Partial). But it changed no 8B plan (32 layers: objective 0.3509 s either way), made the ILP's
+build slower (32 layers 1.47 -> 2.26 s; llama-tiny over 2x2 1.1-1.2 -> 2.3-2.6 s) and llama-tiny's
+LP slower (7.7-11.8 -> 16-21 s, the same model size and optimum), so it waits for the flow
+formulation that needs it.
 """
 
 from __future__ import annotations
@@ -228,13 +244,16 @@ def measure_one(model: str, layers: int, batch: int, seq: int, mode: str, time_l
     }
 
 
-def _targets(key: str, row: dict) -> str:
-    """Which of the case's targets the run meets: "yes", or the ones it misses."""
+def _targets(key: str, row: dict, to_optimum: bool) -> str:
+    """Which of the case's targets the run meets: "yes", or the ones it misses. The optimum's
+    target is judged only where the solver was asked for the optimum (``to_optimum``, no
+    ``--gap``): told to stop within a gap, it does not go on to prove one."""
     _, _, _, _, within_s, optimum_s, _ = CASES[key]
     missed = []
     if not (row["total_s"] <= within_s and row["gap"] <= TARGET_GAP):
         missed.append(f"{TARGET_GAP:.0%}@{within_s:g}s")
-    if optimum_s is not None and not (row["status"] == "optimal" and row["total_s"] <= optimum_s):
+    if (optimum_s is not None and to_optimum
+            and not (row["status"] == "optimal" and row["total_s"] <= optimum_s)):
         missed.append(f"opt@{optimum_s:g}s")
     if row["peak_rss_gib"] > RSS_TARGET_GIB:
         missed.append(f"rss{RSS_TARGET_GIB:g}")
@@ -277,7 +296,7 @@ def main() -> None:
                 row["autoparallel_s"] = f"{ref[0]:.0f}-{ref[1]:.0f}" if ref else "-"
                 total = row["total_s"]
                 row["faster_x"] = f"{ref[0] / total:.1f}-{ref[1] / total:.1f}" if ref else "-"
-                row["ok"] = _targets(key, row)
+                row["ok"] = _targets(key, row, to_optimum=args.gap is None)
                 rows.append(row)
                 if args.json:
                     print(json.dumps(row))
