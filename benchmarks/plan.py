@@ -162,14 +162,15 @@ the budget fit 5.9 s), gap 0.03%: the 15 s met on a quieter machine is not met o
 Tried, not kept: every move priced, and lowered, by its shortest chain of one-mesh-dim
 redistributions (Dijkstra over placements; e.g. ``(S(0), R) -> (R, R)`` over 8x8 as a slice over
 tp, a gather over dp of 1/8 of the bytes, a gather over tp). That makes the move costs a metric,
-the precondition for routing moves through intermediate placements (a per-dim flow, ~200 arcs
-and 25 rows against 576 pairs and 48 rows per 24 x 24 edge) exactly: on llama-tiny over 2x2,
-the pairs priced above a route through full replication went from 43,197 of 110,000 (mostly a
-small tensor's all_to_all, dearer than a gather and a local slice) to 1,964 (all through a new
-Partial). But it changed no 8B plan (32 layers: objective 0.3509 s either way), made the ILP's
-build slower (32 layers 1.47 -> 2.26 s; llama-tiny over 2x2 1.1-1.2 -> 2.3-2.6 s) and llama-tiny's
-LP slower (7.7-11.8 -> 16-21 s, the same model size and optimum), so it waits for the flow
-formulation that needs it.
+the precondition for routing moves through intermediate placements (a per-dim flow: about 200 arcs
+and 25 rows against 576 pairs and 48 rows per 24 x 24 edge, counted on paper) exactly: on
+llama-tiny over 2x2, the pairs priced above a route through full replication went from 43,197 of
+110,000 (mostly a small tensor's all_to_all, dearer than a gather and a local slice) to 1,964 (all
+through a new Partial). But it changed no 8B plan (32 layers: objective 0.3509 s either way), made
+the ILP's build slower (32 layers 1.47 -> 2.26 s; llama-tiny over 2x2 1.1-1.2 -> 2.3-2.6 s) and
+llama-tiny's solve slower (``shardwise plan --model llama-tiny --layers 2 --batch 8 --seq 64 --mesh
+2x2``: 7.7-11.8 -> 16-21 s, the same model size and optimum), so it waits for the flow formulation
+that needs it.
 """
 
 from __future__ import annotations

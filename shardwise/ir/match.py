@@ -145,17 +145,17 @@ def erase_if_dead(nodes: Iterable[fx.Node]) -> None:
 def move_readers_after(node: fx.Node) -> None:
     """Move every node that reads ``node``, directly or through others, and stands before it in
     the graph to just after it, in their order (a rewrite that made ``node`` a new input of
-    earlier nodes). Their other inputs stood before them, so they still do."""
-    order = topo_index(node.graph)
+    earlier nodes). Their other inputs stood before them, so they still do. Nodes compare by
+    their place in the graph (fx keeps the order keys), so no walk of the whole graph per call."""
     early: set[fx.Node] = set()
-    stack = [u for u in node.users if order[u] < order[node]]
+    stack = [u for u in node.users if u < node]
     while stack:
         u = stack.pop()
         if u not in early:
             early.add(u)
-            stack.extend(v for v in u.users if order[v] < order[node])
+            stack.extend(v for v in u.users if v < node)
     at = node
-    for u in sorted(early, key=order.__getitem__):
+    for u in sorted(early):
         at.append(u)
         at = u
 
