@@ -10,11 +10,14 @@ from outside, just its shape) form a cluster: position ``i`` of every copy share
 of position ``i`` of the first copy, its representative.
 
 The planner then prices every graph edge on representatives, summing copies, which is exact
-for the clustered problem: 32 identical layers cost one layer's variables.
+for the clustered problem: 32 identical layers cost one layer's variables. A layer whose nodes
+all but line up with a cluster's joins it (``cluster``): the positions it lines up with share
+the cluster's variables, its other nodes keep their own.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +37,9 @@ class Clustering:
     """``rep[node]`` is the node whose variables ``node`` uses (itself when not clustered)."""
 
     rep: dict[fx.Node, fx.Node]
-    clusters: list[list[list[fx.Node]]] = field(default_factory=list)  # cluster -> copies -> nodes
+    # cluster -> copies -> nodes (a copy that joined without matching exactly, ``cluster``, holds
+    # only the nodes that line up with the cluster's positions)
+    clusters: list[list[list[fx.Node]]] = field(default_factory=list)
 
     @property
     def representatives(self) -> list[fx.Node]:
@@ -124,7 +129,16 @@ def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clu
     """Cluster identical layers of ``traced`` (forward and backward separately). ``pinned``
     maps placeholder names to what fixes them (a user constraint, a baseline's placement):
     layers whose parameters are pinned differently are not identical, since a representative's
-    choice is every copy's."""
+    choice is every copy's.
+
+    A layer that matches no other exactly joins a cluster of its phase (of at least two exact
+    copies) where nearly all its nodes line up with the cluster's (``_align``): the last
+    layer's backward lacks the add that sums the residual's gradient with the next layer's. On
+    llama3-8b, 32 layers over 8x8, that takes the ILP from 109,370 to 73,825 columns and its
+    solve from 7.4 to 1.9 s, for a plan the step schedule prices 0.2% slower (the last layer
+    keeps its parameters gathered into the backward, so its backward may read them otherwise:
+    the one layer in 32 planned as its cluster is). Two such layers alone do not form a
+    cluster: with 2 layers that restriction cost the plan 12% (47.9 -> 53.9 ms a step)."""
     pinned = pinned or {}
     result = no_clustering(traced.gm)
     region = regions(traced)
@@ -136,19 +150,79 @@ def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clu
     for (_phase, _layer), nodes in sorted(groups.items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
         by_sig.setdefault((_phase, _signature(nodes, pinned)), []).append(nodes)
     index = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
-    for copies in by_sig.values():
-        if len(copies) < 2:
+    found = [copies for copies in by_sig.values() if len(copies) >= 2]
+    # Each cluster's copies as {position: node}; a partial copy lacks some positions.
+    placed = [[dict(enumerate(c)) for c in copies] for copies in found]
+    for (phase, _), copies in by_sig.items():
+        if len(copies) > 1:
             continue
-        # The earliest copy in graph order represents the others, so a representative's
-        # producers always have their own representatives planned before it.
-        copies.sort(key=lambda c: index[c[0]])
-        result.clusters.append(copies)
-        # Each position is represented by its earliest copy in graph order, so strategies and
-        # variables are built for a representative before its copies. (Regions interleave: a
-        # forward value the backward saves, e.g. GPT-2's detached activations, sits in the graph
-        # among the forward nodes, in the reverse order of its layer's backward region.)
-        for position in zip(*copies, strict=True):
-            r = min(position, key=index.__getitem__)
-            for n in position:
+        for k, full in enumerate(found):
+            at = _align(copies[0], full[0], pinned) if traced.phase(full[0][0]) is phase else None
+            if at is not None:
+                placed[k].append(at)
+                full.append(copies[0])
+                break
+    for copies, positions in zip(found, placed, strict=True):
+        # The earliest copy in graph order comes first, and each position is represented by its
+        # earliest copy, so strategies and variables are built for a representative before its
+        # copies. (Regions interleave: a forward value the backward saves, e.g. GPT-2's detached
+        # activations, sits in the graph among the forward nodes, in the reverse order of its
+        # layer's backward region; and the backward runs the last layer first.)
+        order = sorted(range(len(copies)), key=lambda c: index[copies[c][0]])
+        result.clusters.append([[positions[c][i] for i in sorted(positions[c])] for c in order])
+        for i in positions[0]:
+            members = [at[i] for at in positions if i in at]
+            r = min(members, key=index.__getitem__)
+            for n in members:
                 result.rep[n] = r
     return result
+
+
+# The share of a cluster's nodes a layer must line up with to join it without matching exactly.
+PARTIAL_MATCH = 0.95
+
+
+def _node_key(n: fx.Node, pinned: Mapping[str, Hashable]) -> tuple:
+    """What a node must share with a cluster position to take its strategies: op, target, output,
+    and each argument's shape, strides and dtype (where it comes from is the edges' to price)."""
+    def arg(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return ("node", tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else ("node",)
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x) for x in a)
+        return a
+
+    v = n.meta.get("val")
+    out = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+    return (n.op, str(n.target), out, str(arg(n.args)), str(sorted((k, arg(a)) for k, a in n.kwargs.items())),
+            pinned.get(n.name))
+
+
+def _align(copy: list[fx.Node], full: list[fx.Node],
+           pinned: Mapping[str, Hashable]) -> dict[int, fx.Node] | None:
+    """``copy``'s nodes by the position of ``full`` (a copy of the cluster) they line up with, or
+    None where fewer than PARTIAL_MATCH of ``full``'s positions do. Nodes are lined up by their
+    ``_node_key`` in order; a node with one tensor argument (a follower, or a getitem of its
+    parent) lines up only where its argument does with the position's (or both come from
+    outside): it reads its input in its producer's placement, which the representative's
+    producer decides."""
+    keys = [_node_key(n, pinned) for n in copy]
+    matcher = difflib.SequenceMatcher(None, keys, [_node_key(n, pinned) for n in full], autojunk=False)
+    at: dict[fx.Node, int] = {}
+    for a, b, size in matcher.get_matching_blocks():
+        for d in range(size):
+            at[copy[a + d]] = b + d
+    pos_full = {n: i for i, n in enumerate(full)}
+    changed = True
+    while changed:  # unlining a node can unline the single-input nodes that read it
+        changed = False
+        for n, i in list(at.items()):
+            args = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            ref = [a for a in full[i].all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            if len(ref) == 1 and [at.get(a) for a in args] != [pos_full.get(a) for a in ref]:
+                del at[n]
+                changed = True
+    if len(at) < PARTIAL_MATCH * len(full):
+        return None
+    return {i: n for n, i in at.items()}

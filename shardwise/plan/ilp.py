@@ -177,12 +177,14 @@ class _Model(Model):
     # (``plan/objective.py``), which takes each term with what it is (a node's kernel, a move).
     objective: ScheduleObjective | None = None
 
-    def charge(self, col: int, seconds: float, tag: object, shares: Sequence[float] | None = None) -> None:
-        """``seconds`` on column ``col``; ``shares``: a move's split (``_Paid.shares``)."""
+    def charge(self, col: int, seconds: float, tag: object, shares: Sequence[float] | None = None,
+               kept: bool = False) -> None:
+        """``seconds`` on column ``col``; ``shares``: a move's split (``_Paid.shares``); ``kept``:
+        a move of parameters that stay gathered (``ScheduleObjective.kept``)."""
         if self.objective is None:
             self.cost[col] += seconds
         else:
-            self.objective.charge(col, seconds, tag, shares)
+            self.objective.charge(col, seconds, tag, shares, kept)
 
     def add_cost(self, col: int, seconds: float, _tag: object = None) -> None:
         """``seconds`` on column ``col`` in the serial sum."""
@@ -347,13 +349,14 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
     # for (the schedule objective charges it to that reader's block), and the model is built
     # the same way on every run (a set's order follows the nodes' hashes).
     position = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
-    groups: dict[tuple[fx.Node, tuple], int] = defaultdict(int)
+    # Under the schedule objective, the copies of a parameter that stay gathered pay apart.
+    groups: dict[tuple[fx.Node, tuple, bool], int] = defaultdict(int)
     for u, keys in out_keys.items():
         paid = sorted((k for k in keys if k in moves), key=lambda k: (position[k[1]], k[2]))
-        groups[(clus.rep[u], tuple(paid))] += 1
-    for (_, keys), n in groups.items():
-        for part in [list(keys)] if schedule is None else schedule.split(list(keys)):
-            _charge_moves(m, [moves[k] for k in part], n, part)
+        groups[(clus.rep[u], tuple(paid), schedule is not None and schedule.kept(u))] += 1
+    for (_, keys, kept), n in groups.items():
+        for part in [list(keys)] if schedule is None else schedule.split(list(keys), kept):
+            _charge_moves(m, [moves[k] for k in part], n, part, kept)
 
     def supply_of(n: fx.Node) -> dict[Placements, list[int]]:
         return _supply(ns, xs, clus, n)
@@ -534,7 +537,7 @@ def _core_pairs(times: np.ndarray) -> np.ndarray:
     return keep
 
 
-def _charge_moves(m: _Model, edges: list[_Paid], copies: int, keys: list) -> None:
+def _charge_moves(m: _Model, edges: list[_Paid], copies: int, keys: list, kept: bool = False) -> None:
     """One producer's moves, each placement it is moved to paid once however many of its edges
     (``keys``) need it there: with one edge the cost sits on e; with several, on t[q] (see
     module doc). Where the schedule objective charges parts of a move apart (``_Paid.shares``),
@@ -546,7 +549,7 @@ def _charge_moves(m: _Model, edges: list[_Paid], copies: int, keys: list) -> Non
                 for e, sh in zip(paid.cols, paid.shares, strict=True)}
     if len(edges) == 1:
         for e, c in zip(edges[0].cols, edges[0].seconds, strict=True):
-            m.charge(e, copies * c, keys, share_of.get(e))
+            m.charge(e, copies * c, keys, share_of.get(e), kept)
         return
     by_q: dict[int, dict[int, dict[int, float]]] = defaultdict(dict)  # q -> edge -> {e: seconds}
     for k, paid in enumerate(edges):
@@ -556,25 +559,25 @@ def _charge_moves(m: _Model, edges: list[_Paid], copies: int, keys: list) -> Non
         if len(per_edge) == 1:  # one edge needs q: it pays
             k, terms = next(iter(per_edge.items()))
             for e, c in terms.items():
-                m.charge(e, copies * c, [keys[k]], share_of.get(e))
+                m.charge(e, copies * c, [keys[k]], share_of.get(e), kept)
             continue
         tagged = [keys[k] for k in per_edge]
         if not share_of:
-            _pay_once(m, copies, tagged, list(per_edge.values()), None)
+            _pay_once(m, copies, tagged, list(per_edge.values()), None, kept)
             continue
         for part, alone in enumerate(np.eye(len(next(iter(share_of.values()))))):
             rows = [{e: c * share_of[e][part] for e, c in terms.items() if share_of[e][part] > 0.0}
                     for terms in per_edge.values()]
             if any(rows):
-                _pay_once(m, copies, tagged, rows, alone)
+                _pay_once(m, copies, tagged, rows, alone, kept)
 
 
 def _pay_once(m: _Model, copies: int, keys: list, rows: list[dict[int, float]],
-              shares: np.ndarray | None) -> None:
+              shares: np.ndarray | None, kept: bool = False) -> None:
     """A variable t >= each row's seconds, in the objective once (microseconds, so that the rows'
     coefficients are not down at HiGHS's tolerances)."""
     t = m.var(0.0, ub=math.inf, integer=False)
-    m.charge(t, copies * OBJECTIVE_UNIT_S, keys, shares)
+    m.charge(t, copies * OBJECTIVE_UNIT_S, keys, shares, kept)
     m.at_least(t, [{e: c / OBJECTIVE_UNIT_S for e, c in terms.items()} for terms in rows if terms])
 
 

@@ -210,15 +210,17 @@ class ScheduleObjective:
         """The blocks a (representative's) block stands for."""
         return self.members.get(self.canon.get(block, block), [block])
 
-    def _root(self, node: fx.Node) -> bool:
-        """``node`` lies outside the decoder layers (FSDP2's root module)."""
-        return not 0 <= self._block(node)[1] < TAIL
+    def kept(self, u: fx.Node) -> bool:
+        """Parameter ``u`` (a graph node, not a representative) stays gathered from the forward
+        to the backward, as the schedule keeps it (``_kept_gathered``): the root's (FSDP2's root
+        rule) and the last layer's (torchtitan's reshard_after_forward=False for the last
+        block). Its moves are charged apart from its cluster's other copies' (``ilp.py`` groups
+        producers by it): they share the representatives' edges, the last layer's backward too."""
+        return self._is_param(u) and self._kept_gathered(self.region.get(u, HEAD))
 
-    def _kept(self, v: fx.Node) -> bool:
-        """A parameter that backward reader ``v`` reads stays gathered from the forward. (Keys
-        are the representatives': a forward reader of the last layer stands for every layer of
-        its cluster, its backward readers, a cluster of their own, for the last layer's.)"""
-        return self._root(v) or self._block(v)[1] == self.last_layer
+    def _kept_gathered(self, region: int) -> bool:
+        """The blocks of ``region`` keep their gathered parameters: the root and the last layer."""
+        return not 0 <= region < TAIL or region == self.last_layer
 
     def _is_param(self, u: fx.Node) -> bool:
         while u.op == "call_function" and is_view(u) and u.all_input_nodes:
@@ -226,10 +228,11 @@ class ScheduleObjective:
         return u in self.param_nodes
 
     def charge(self, col: int, seconds: float, tag: fx.Node | Sequence[EdgeKey],
-               shares: Sequence[float] | None = None) -> None:
+               shares: Sequence[float] | None = None, kept: bool = False) -> None:
         """``seconds`` (every copy's) on column ``col``: a kernel of node ``tag``, or a move of
         the producer whose edges are ``tag``; ``shares``: the move's first collective's share
-        of it and its later ones' (``PlannerCosts.move_shares``; None: all in the first)."""
+        of it and its later ones' (``PlannerCosts.move_shares``; None: all in the first);
+        ``kept``: the producers are parameters that stay gathered (``kept``)."""
         if seconds == 0.0:
             return
         if isinstance(tag, fx.Node):
@@ -271,7 +274,10 @@ class ScheduleObjective:
             # block before the readers', ahead of that block's own collectives, which its kernels
             # wait for (the step schedule's streams run in issue order): exposed there.
             head = 1.0 if shares is None else shares[0]
+            # The copies of the readers' block these producers stand for: a cluster's copies in
+            # the last layer keep their gathers, the others do not (``kept``).
             copies = self._copies(self._block(v))
+            copies = [c for c in copies if self._kept_gathered(c[1]) == kept] or copies
             for c in copies:
                 before = self.pred.get(c)
                 at, load = (c, Load.EXPOSED) if before is None else (before, Load.HIDDEN)
@@ -296,16 +302,14 @@ class ScheduleObjective:
         self._add((Phase.BACKWARD, self._block(node)[1]), Load.COMPUTE, col, seconds)
         self.serial[col] += RECOMPUTE_TIE * seconds
 
-    def split(self, keys: Sequence[EdgeKey]) -> list[list[EdgeKey]]:
+    def split(self, keys: Sequence[EdgeKey], kept: bool) -> list[list[EdgeKey]]:
         """One producer's edges (a parameter's: those of its transposes too, ``ilp.py``) into the
         groups that each pay a move to a placement once: a parameter's forward and backward
         readers apart (FSDP2 gathers it again in the backward), except where its gathers stay
-        from the forward to the backward (the schedule's ``_kept_gathered``): the root's
-        (FSDP2's root rule) and the last layer's (torchtitan's reshard_after_forward=False for
-        the last block), whose backward pays only for a placement the forward did not gather."""
+        from the forward to the backward (``kept``), whose backward pays only for a placement the
+        forward did not gather."""
         u = keys[0][0] if keys else None
-        if u is None or not self._is_param(u) or all(self._kept(k[1]) for k in keys
-                                                     if self.traced.phase(k[1]) is Phase.BACKWARD):
+        if u is None or not self._is_param(u) or kept:
             return [list(keys)]
         by_phase: dict[Phase, list[EdgeKey]] = defaultdict(list)
         for k in keys:

@@ -17,7 +17,7 @@ from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan import make_plan
-from shardwise.plan.cluster import TAIL, cluster
+from shardwise.plan.cluster import HEAD, TAIL, cluster
 from shardwise.plan.costs import PlannerCosts
 from shardwise.plan.ilp import build
 from shardwise.plan.objective import GRAD_SINK, Load, ScheduleObjective
@@ -44,11 +44,12 @@ def test_a_parameter_is_gathered_once_per_phase(tiny):
     # the weight or a view of it (its transpose) read by the forward and by the backward
     value = next(n for n in [wq, *wq.users] if {tiny.phase(u) for u in n.users} == set(Phase))
     readers = [(value, u, 0) for u in value.users]
-    groups = obj.split(readers)
+    assert not obj.kept(wq)
+    groups = obj.split(readers, obj.kept(wq))
     assert len(groups) == 2 and all(len({tiny.phase(k[1]) for k in g}) == 1 for g in groups)
     act = next(n for n in tiny.gm.graph.nodes if n.op == "call_function" and len(n.users) > 1)
     keys = [(act, u, 0) for u in act.users]
-    assert obj.split(keys) == [keys]  # an activation moves to a placement once
+    assert not obj.kept(act) and obj.split(keys, False) == [keys]  # an activation moves to a placement once
 
 
 def test_a_gathers_later_collective_on_the_inner_dim_is_waited_for(tiny):
@@ -58,13 +59,15 @@ def test_a_gathers_later_collective_on_the_inner_dim_is_waited_for(tiny):
     wait for (the step schedule's streams run in issue order; llama3-8b, 32 layers over 8x8:
     the ILP's plan gathered wo over dp then tp, 0.3688 s a step against 0.3214 s without)."""
     obj = _objective(tiny)
-    wq = tiny.node(tiny.params["layers.1.attention.wq.weight"])
-    reader = next(u for u in wq.users if tiny.phase(u) is Phase.FORWARD)
-    obj.charge(0, 1.0, [(wq, reader, 0)], shares=(0.75, 0.25))
-    # in the block before each copy's (the layers are one cluster: half each)
+    for layer in (0, 1):
+        wq = tiny.node(tiny.params[f"layers.{layer}.attention.wq.weight"])
+        reader = next(u for u in wq.users if tiny.phase(u) is Phase.FORWARD)
+        obj.charge(0, 1.0, [(wq, reader, 0)], shares=(0.75, 0.25), kept=obj.kept(wq))
+    # in the block before each copy's (the layers are one cluster): layer 0's before the head's,
+    # the last layer's (its gathers kept for the backward) before the cluster's own
     for copy in obj._copies(obj._block(reader)):
-        assert obj.terms[obj.canon.get(obj.pred[copy], obj.pred[copy])] == {Load.HIDDEN: {0: 0.375},
-                                                                             Load.EXPOSED: {0: 0.125}}
+        assert obj.terms[obj.canon.get(obj.pred[copy], obj.pred[copy])] == {Load.HIDDEN: {0: 0.75},
+                                                                             Load.EXPOSED: {0: 0.25}}
 
 
 @pytest.mark.parametrize("src,queued", [(("S(0)", "S(1)"), True), (("S(0)", "S(0)"), False)])
@@ -165,8 +168,8 @@ def test_the_last_layer_keeps_its_forward_gathers_for_its_backward(tiny):
     splits = []
 
     class Recorded(ScheduleObjective):
-        def split(self, keys):
-            splits.append(super().split(keys))
+        def split(self, keys, kept):
+            splits.append(super().split(keys, kept))
             return splits[-1]
 
     prep = _built(tiny)
@@ -189,6 +192,41 @@ def test_the_last_layer_keeps_its_forward_gathers_for_its_backward(tiny):
     plain.charge(0, 1.0, last)
     assert {b[0] for b in plain.terms} == {Phase.FORWARD}
     assert sum(t for loads in plain.terms.values() for t in loads[Load.HIDDEN].values()) == pytest.approx(1.0)
+
+
+def test_the_last_layer_keeps_its_gathers_where_its_backward_joins_the_other_layers(tiny_four_layers):
+    """With more layers than two, the last layer's backward joins its cluster (``cluster``): its
+    weights' edges are every layer's. The objective still charges its moves apart, once over
+    both phases and before the last layer's block (``ScheduleObjective.kept``), and the other
+    layers' before their own blocks: none before the tail's backward, none before the head's
+    forward for the last layer."""
+    four = tiny_four_layers
+    splits = []
+
+    class Recorded(ScheduleObjective):
+        def split(self, keys, kept):
+            splits.append((kept, super().split(keys, kept)))
+            return splits[-1][1]
+
+    prep = _built(four)
+    obj = Recorded(four, prep.clus, prep.costs, torchtitan_options(four))
+    build(four, prep.ns, prep.clus, prep.costs, schedule=obj)
+    wq = prep.clus.rep[four.node(four.params["layers.0.attention.wq.weight"])]
+    mine = {kept: groups for kept, groups in splits if groups[0] and alias_root(groups[0][0][0]) is wq}
+    assert sorted(mine) == [False, True]
+    assert len(mine[True]) == 1 and [{four.phase(k[1]) for k in g} for g in mine[False]] == [
+        {Phase.FORWARD}, {Phase.BACKWARD}]
+    assert {k for g in mine[True] for k in g} == {k for g in mine[False] for k in g}
+
+    def charged(keys, kept):
+        plain = _objective(four)
+        plain.charge(0, 1.0, keys, kept=kept)
+        return {b: sum(loads[Load.HIDDEN].values()) for b, loads in plain.terms.items()}
+
+    head, tail_bwd = (Phase.FORWARD, HEAD), (Phase.BACKWARD, TAIL)
+    assert head not in charged(mine[True][0], True)
+    assert charged(mine[False][0], False)[head] == pytest.approx(1 / 3)  # layer 0 of 0..2
+    assert tail_bwd not in charged(mine[False][1], False)
 
 
 def test_a_gradient_is_reduced_under_its_own_block_but_the_last_and_the_tails(tiny):
@@ -241,10 +279,10 @@ def test_a_move_several_readers_share_is_charged_to_the_first(tiny):
     tags = []
 
     class Recorded(ScheduleObjective):
-        def charge(self, col, seconds, tag, shares=None):
+        def charge(self, col, seconds, tag, shares=None, kept=False):
             if not isinstance(tag, fx.Node):
                 tags.append(list(tag))
-            super().charge(col, seconds, tag, shares)
+            super().charge(col, seconds, tag, shares, kept)
 
     prep = _built(tiny)
     build(tiny, prep.ns, prep.clus, prep.costs, schedule=Recorded(tiny, prep.clus, prep.costs,

@@ -8,11 +8,11 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 from shardwise.errors import UserError
-from shardwise.ir.trace import trace_model
+from shardwise.ir.trace import Phase, trace_model
 from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import BASELINES, Constraints, Plan, estimate, make_plan
-from shardwise.plan.cluster import cluster
+from shardwise.plan.cluster import cluster, regions
 from shardwise.plan.planner import no_plan_reason
 
 MESH = Mesh((2,), hardware="h100")
@@ -40,11 +40,41 @@ def test_clustering_keeps_the_optimum(layers):
 
 
 def test_identical_layers_share_variables():
-    two, four = _traced(2), _traced(4)
-    c2, c4 = cluster(two), cluster(four)
+    three, five = _traced(3), _traced(5)
+    c3, c5 = cluster(three), cluster(five)
     # Two more layers add nodes to the graph but no representatives.
-    assert len(c4.rep) > len(c2.rep)
-    assert len(c4.representatives) == len(c2.representatives)
+    assert len(c5.rep) > len(c3.rep)
+    assert len(c5.representatives) == len(c3.representatives)
+
+
+def test_the_last_layers_backward_joins_its_cluster_where_it_lines_up():
+    """The last layer's backward lacks the add that sums the residual's gradient with the next
+    layer's, so it matches no other layer exactly; its nodes still line up with theirs and share
+    their variables, each with a representative of its own op and shape that comes before it in
+    the graph. Two layers alone do not pair up (the last layer's gathers stay from the forward:
+    its backward may do better planned apart)."""
+    four = _traced(4)
+    clus = cluster(four)
+    (backward,) = [c for c in clus.clusters if four.phase(c[0][0]) is Phase.BACKWARD]
+    assert len(backward) == 4
+    sizes = sorted(map(len, backward))
+    assert sizes[0] == sizes[1] - 1 and len(set(sizes[1:])) == 1
+    index = {n: i for i, n in enumerate(four.gm.graph.nodes)}
+    for copy in backward:
+        for n in copy:
+            r = clus.rep[n]
+            assert index[r] <= index[n] and r.target == n.target
+            assert _shapes(r.meta["val"]) == _shapes(n.meta["val"])
+    # the copy that lacks the add is the last layer's
+    region = regions(four)
+    assert {region[n] for n in min(backward, key=len)} == {3}
+    two = _traced(2)
+    assert [four.phase(c[0][0]) for c in cluster(two).clusters] == [Phase.FORWARD]
+
+
+def _shapes(val) -> list:
+    vals = val if isinstance(val, tuple) else (val,)
+    return [tuple(v.shape) if v is not None else None for v in vals]
 
 
 def test_objective_equals_node_by_node_estimate(tiny2):
