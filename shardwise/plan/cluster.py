@@ -18,6 +18,7 @@ the cluster's variables, its other nodes keep their own.
 from __future__ import annotations
 
 import difflib
+import operator
 import re
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import torch
 from torch import fx
 
 from shardwise.ir.trace import Phase, Traced
+from shardwise.plan.plan import tensor_args
 
 HEAD = -1
 TAIL = 1 << 30
@@ -135,7 +137,7 @@ def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clu
     copies) where nearly all its nodes line up with the cluster's (``_align``): the last
     layer's backward lacks the add that sums the residual's gradient with the next layer's. On
     llama3-8b, 32 layers over 8x8, that takes the ILP from 109,370 to 73,825 columns and its
-    solve from 7.4 to 1.9 s, for a plan the step schedule prices 0.2% slower (the last layer
+    solve from 7.4 to 1.6-1.9 s, for a plan the step schedule prices 0.2% slower (the last layer
     keeps its parameters gathered into the backward, so its backward may read them otherwise:
     the one layer in 32 planned as its cluster is). Two such layers alone do not form a
     cluster: with 2 layers that restriction cost the plan 12% (47.9 -> 53.9 ms a step)."""
@@ -218,11 +220,19 @@ def _align(copy: list[fx.Node], full: list[fx.Node],
     while changed:  # unlining a node can unline the single-input nodes that read it
         changed = False
         for n, i in list(at.items()):
-            args = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-            ref = [a for a in full[i].all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-            if len(ref) == 1 and [at.get(a) for a in args] != [pos_full.get(a) for a in ref]:
+            ref = _single_input(full[i])
+            if ref and [at.get(a) for a in _single_input(n)] != [pos_full.get(a) for a in ref]:
                 del at[n]
                 changed = True
     if len(at) < PARTIAL_MATCH * len(full):
         return None
     return {i: n for n, i in at.items()}
+
+
+def _single_input(n: fx.Node) -> list[fx.Node]:
+    """A getitem's parent, or the one tensor argument of a node with one (a follower in the
+    making, ``strategies._make_follower``); [] otherwise."""
+    if n.target is operator.getitem:
+        return [n.args[0]]
+    args = tensor_args(n)
+    return args if len(args) == 1 else []
