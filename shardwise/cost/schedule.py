@@ -93,7 +93,7 @@ from shardwise.ir.flops import is_view
 from shardwise.ir.match import CollectiveKind
 from shardwise.ir.trace import Phase, Traced
 from shardwise.passes.remat import ACPolicy, AnyPolicy, recompute_plan
-from shardwise.plan.cluster import HEAD, TAIL, regions
+from shardwise.plan.cluster import HEAD, TAIL, keeps_gathered, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.placement import Placements, placements_str, view_base_placements
 from shardwise.plan.plan import Plan, tensor_args
@@ -406,7 +406,7 @@ class _Scheduler:
             # immediately") nor for the last block (torchtitan passes reshard_after_forward=False
             # for it, "since FSDP would prefetch it immediately"): their forward gather stays.
             base = _base(u)
-            kept = self._kept_gathered(reader.region)
+            kept = keeps_gathered(reader.region, self.last_layer)
             key = (base, False, view_base_placements(u, dst),
                    Phase.FORWARD if kept else reader.phase)
             if kept:
@@ -414,11 +414,6 @@ class _Scheduler:
             return key
         inst = self._instance(u, reader)
         return (u, inst[1], dst, None)
-
-    def _kept_gathered(self, region: int) -> bool:
-        """The block of ``region`` keeps its gathered parameters from forward to backward: the
-        root (everything outside the decoder layers) and the last layer."""
-        return not 0 <= region < TAIL or region == self.last_layer
 
     # ---- collectives ---------------------------------------------------------------------
     def _collective_steps(self, u: fx.Node, src: Placements, dst: Placements, scale: float = 1.0):

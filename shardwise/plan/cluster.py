@@ -55,6 +55,13 @@ class Clustering:
         return out
 
 
+def keeps_gathered(region: int, last_layer: int | None) -> bool:
+    """FSDP2 keeps the blocks of ``region`` gathered from the forward to the backward: the root
+    (everything outside the decoder layers) and, as torchtitan sets reshard_after_forward=False
+    for it, the last layer (``last_layer``, the largest layer region)."""
+    return not 0 <= region < TAIL or region == last_layer
+
+
 def no_clustering(gm: fx.GraphModule) -> Clustering:
     return Clustering({n: n for n in gm.graph.nodes if n.op != "output"})
 

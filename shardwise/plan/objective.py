@@ -132,7 +132,7 @@ from shardwise.cost.schedule import (
 from shardwise.ir.flops import is_view
 from shardwise.ir.trace import Phase, Traced
 from shardwise.passes.remat import ACPolicy, recompute_plan
-from shardwise.plan.cluster import HEAD, TAIL, Clustering, regions
+from shardwise.plan.cluster import HEAD, TAIL, Clustering, keeps_gathered, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.solver import MIP_REL_GAP, LpRun, Solved, complete, solve_by_lp_bound, solve_model
 from shardwise.plan.strategies import NodeStrategies
@@ -212,15 +212,11 @@ class ScheduleObjective:
 
     def kept(self, u: fx.Node) -> bool:
         """Parameter ``u`` (a graph node, not a representative) stays gathered from the forward
-        to the backward, as the schedule keeps it (``_kept_gathered``): the root's (FSDP2's root
-        rule) and the last layer's (torchtitan's reshard_after_forward=False for the last
-        block). Its moves are charged apart from its cluster's other copies' (``ilp.py`` groups
-        producers by it): they share the representatives' edges, the last layer's backward too."""
-        return self._is_param(u) and self._kept_gathered(self.region.get(u, HEAD))
-
-    def _kept_gathered(self, region: int) -> bool:
-        """The blocks of ``region`` keep their gathered parameters: the root and the last layer."""
-        return not 0 <= region < TAIL or region == self.last_layer
+        to the backward, as the schedule keeps it (``cluster.keeps_gathered``: the root's and
+        the last layer's). Its moves are charged apart from its cluster's other copies'
+        (``ilp.py`` groups producers by it): they share the representatives' edges, the last
+        layer's backward too."""
+        return self._is_param(u) and keeps_gathered(self.region.get(u, HEAD), self.last_layer)
 
     def _is_param(self, u: fx.Node) -> bool:
         while u.op == "call_function" and is_view(u) and u.all_input_nodes:
@@ -277,7 +273,7 @@ class ScheduleObjective:
             # The copies of the readers' block these producers stand for: a cluster's copies in
             # the last layer keep their gathers, the others do not (``kept``).
             copies = self._copies(self._block(v))
-            copies = [c for c in copies if self._kept_gathered(c[1]) == kept] or copies
+            copies = [c for c in copies if keeps_gathered(c[1], self.last_layer) == kept] or copies
             for c in copies:
                 before = self.pred.get(c)
                 at, load = (c, Load.EXPOSED) if before is None else (before, Load.HIDDEN)
