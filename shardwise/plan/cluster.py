@@ -12,7 +12,7 @@ of position ``i`` of the first copy, its representative.
 The planner then prices every graph edge on representatives, summing copies, which is exact
 for the clustered problem: 32 identical layers cost one layer's variables. A layer whose nodes
 all but line up with a cluster's joins it (``cluster``): the positions it lines up with share
-the cluster's variables, its other nodes keep their own.
+the cluster's variables, its other nodes keep their own; two such layers pair up.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from shardwise.ir.flops import is_view
 from shardwise.ir.trace import Phase, Traced
 from shardwise.plan.plan import tensor_args
 
@@ -140,14 +141,14 @@ def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clu
     layers whose parameters are pinned differently are not identical, since a representative's
     choice is every copy's.
 
-    A layer that matches no other exactly joins a cluster of its phase (of at least two exact
-    copies) where nearly all its nodes line up with the cluster's (``_align``): the last
-    layer's backward lacks the add that sums the residual's gradient with the next layer's. On
-    llama3-8b, 32 layers over 8x8, that takes the ILP from 109,370 to 73,825 columns and its
-    solve from 7.4 to 1.6-1.9 s, for a plan the step schedule prices 0.2% slower (the last layer
-    keeps its parameters gathered into the backward, so its backward may read them otherwise:
-    the one layer in 32 planned as its cluster is). Two such layers alone do not form a
-    cluster: with 2 layers that restriction cost the plan 12% (47.9 -> 53.9 ms a step)."""
+    A layer that matches no other exactly joins a cluster of its phase where nearly all its
+    nodes line up with the cluster's (``_align``), or pairs with a layer that matches no other
+    either: the last layer's backward lacks the add that sums the residual's gradient with the
+    next layer's. On llama3-8b over 8x8 that takes the ILP from 109,370 to 73,825 columns with
+    32 layers (its solve 7.4 -> 1.6-1.9 s, for a plan the step schedule prices 0.2% slower: the
+    last layer keeps its parameters gathered into the backward, so its backward may read them
+    otherwise) and from 107,977 to 87,297 with 2 (where the last layer's parameter ends keep
+    their own variables, below: the same plan, 15.2 -> 11.1 s to plan)."""
     pinned = pinned or {}
     result = no_clustering(traced.gm)
     region = regions(traced)
@@ -162,15 +163,33 @@ def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clu
     found = [copies for copies in by_sig.values() if len(copies) >= 2]
     # Each cluster's copies as {position: node}; a partial copy lacks some positions.
     placed = [[dict(enumerate(c)) for c in copies] for copies in found]
+    last_layer = max((r for r in region.values() if r not in (HEAD, TAIL)), default=None)
+    ends = _parameter_ends(traced)
     for (phase, _), copies in by_sig.items():
         if len(copies) > 1:
             continue
+        lone = copies[0]
         for k, full in enumerate(found):
-            at = _align(copies[0], full[0], pinned) if traced.phase(full[0][0]) is phase else None
+            if traced.phase(full[0][0]) is not phase:
+                continue
+            # The last layer keeps its parameters gathered into its backward (FSDP2), so there
+            # its parameters' readers and gradients' producers may do better in other placements.
+            # They keep their own variables where the last layer pairs with one other layer
+            # (llama3-8b, 2 layers over 8x8: tied, a plan 12% slower); in a larger cluster tying
+            # them costs little and saves the columns (3 and 4 layers: 0.1% slower steps, 13.5k
+            # of 87k columns fewer).
+            kept = {keeps_gathered(region[c[0]], last_layer) for c in (lone, full[0])}
+            apart = phase is Phase.BACKWARD and len(full) == 1 and len(kept) == 2
+            at = _align(lone, full[0], pinned, ends if apart else frozenset())
             if at is not None:
                 placed[k].append(at)
-                full.append(copies[0])
+                full.append(lone)
                 break
+        else:  # a cluster of one, for a layer that lines up with it to join (the last of two)
+            found.append([lone])
+            placed.append([dict(enumerate(lone))])
+    paired = [k for k, copies in enumerate(found) if len(copies) >= 2]
+    found, placed = [found[k] for k in paired], [placed[k] for k in paired]
     for copies, positions in zip(found, placed, strict=True):
         # The earliest copy in graph order comes first, and each position is represented by its
         # earliest copy, so strategies and variables are built for a representative before its
@@ -208,32 +227,60 @@ def _node_key(n: fx.Node, pinned: Mapping[str, Hashable]) -> tuple:
             pinned.get(n.name))
 
 
-def _align(copy: list[fx.Node], full: list[fx.Node],
-           pinned: Mapping[str, Hashable]) -> dict[int, fx.Node] | None:
+def _align(copy: list[fx.Node], full: list[fx.Node], pinned: Mapping[str, Hashable],
+           apart: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> dict[int, fx.Node] | None:
     """``copy``'s nodes by the position of ``full`` (a copy of the cluster) they line up with, or
     None where fewer than PARTIAL_MATCH of ``full``'s positions do. Nodes are lined up by their
     ``_node_key`` in order; a node with one tensor argument (a follower, or a getitem of its
     parent) lines up only where its argument does with the position's (or both come from
     outside): it reads its input in its producer's placement, which the representative's
-    producer decides."""
+    producer decides. The nodes of ``apart`` then keep their own variables (and so do the
+    single-input nodes that read them): they are not counted against PARTIAL_MATCH."""
     keys = [_node_key(n, pinned) for n in copy]
     matcher = difflib.SequenceMatcher(None, keys, [_node_key(n, pinned) for n in full], autojunk=False)
     at: dict[fx.Node, int] = {}
     for a, b, size in matcher.get_matching_blocks():
         for d in range(size):
             at[copy[a + d]] = b + d
+    _unline_readers(at, full)
+    if len(at) < PARTIAL_MATCH * len(full):
+        return None
+    if apart:
+        at = {n: i for n, i in at.items() if n not in apart}
+        _unline_readers(at, full)
+    return {i: n for n, i in at.items()}
+
+
+def _unline_readers(at: dict[fx.Node, int], full: list[fx.Node]) -> None:
+    """Drop from ``at`` each single-input node whose argument does not line up with its
+    position's argument (unlining a node can unline the single-input nodes that read it)."""
     pos_full = {n: i for i, n in enumerate(full)}
     changed = True
-    while changed:  # unlining a node can unline the single-input nodes that read it
+    while changed:
         changed = False
         for n, i in list(at.items()):
             ref = _single_input(full[i])
             if ref and [at.get(a) for a in _single_input(n)] != [pos_full.get(a) for a in ref]:
                 del at[n]
                 changed = True
-    if len(at) < PARTIAL_MATCH * len(full):
-        return None
-    return {i: n for n, i in at.items()}
+
+
+def _parameter_ends(traced: Traced) -> set[fx.Node]:
+    """The nodes that read a parameter (itself or a view of it) and those that produce a
+    parameter's gradient (before the views that lead to it)."""
+    views = {traced.node(p) for p in traced.params.values()}
+    ends = set()
+    for n in traced.gm.graph.nodes:
+        if is_view(n) and n.args and n.args[0] in views:
+            views.add(n)
+        elif n.op == "call_function" and any(a in views for a in tensor_args(n)):
+            ends.add(n)
+    for g in traced.grads.values():
+        n = traced.node(g)
+        while is_view(n):
+            n = n.args[0]
+        ends.add(n)
+    return ends
 
 
 def _single_input(n: fx.Node) -> list[fx.Node]:
