@@ -144,11 +144,9 @@ def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clu
     A layer that matches no other exactly joins a cluster of its phase where nearly all its
     nodes line up with the cluster's (``_align``), or pairs with a layer that matches no other
     either: the last layer's backward lacks the add that sums the residual's gradient with the
-    next layer's. On llama3-8b over 8x8 that takes the ILP from 109,370 to 73,825 columns with
-    32 layers (its solve 7.4 -> 1.6-1.9 s, for a plan the step schedule prices 0.2% slower: the
-    last layer keeps its parameters gathered into the backward, so its backward may read them
-    otherwise) and from 107,977 to 87,297 with 2 (where the last layer's parameter ends keep
-    their own variables, below: the same plan, 15.2 -> 11.1 s to plan)."""
+    next layer's. The last layer's parameter ends keep their own variables (below). On
+    llama3-8b over 8x8 that takes the ILP from 109,370 to 87,312 columns with 32 layers (14.6 ->
+    10.2 s to plan) and from 107,977 to 87,297 with 2 (15.2 -> 10.6 s), for the same plans."""
     pinned = pinned or {}
     result = no_clustering(traced.gm)
     region = regions(traced)
@@ -173,13 +171,11 @@ def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clu
             if traced.phase(full[0][0]) is not phase:
                 continue
             # The last layer keeps its parameters gathered into its backward (FSDP2), so there
-            # its parameters' readers and gradients' producers may do better in other placements.
-            # They keep their own variables where the last layer pairs with one other layer
-            # (llama3-8b, 2 layers over 8x8: tied, a plan 12% slower); in a larger cluster tying
-            # them costs little and saves the columns (3 and 4 layers: 0.1% slower steps, 13.5k
-            # of 87k columns fewer).
+            # its parameters' readers and gradients' producers may do better in other placements:
+            # they keep their own variables. Tied, they bent the cluster's shared choice: 2
+            # layers of llama3-8b over 8x8, a plan 12% slower; Qwen2-7B, 28 layers, 1.5%.
             kept = {keeps_gathered(region[c[0]], last_layer) for c in (lone, full[0])}
-            apart = phase is Phase.BACKWARD and len(full) == 1 and len(kept) == 2
+            apart = phase is Phase.BACKWARD and len(kept) == 2
             at = _align(lone, full[0], pinned, ends if apart else frozenset())
             if at is not None:
                 placed[k].append(at)

@@ -48,52 +48,37 @@ def test_identical_layers_share_variables():
     assert len(c5.representatives) == len(c3.representatives)
 
 
-def test_the_last_layers_backward_joins_its_cluster_where_it_lines_up():
+@pytest.mark.parametrize("layers", [2, 4])
+def test_the_last_layers_backward_joins_its_cluster_where_it_lines_up(layers):
     """The last layer's backward lacks the add that sums the residual's gradient with the next
     layer's, so it matches no other layer exactly; its nodes still line up with theirs and share
     their variables, each with a representative of its own op and shape that comes before it in
-    the graph."""
-    four = _traced(4)
-    clus = cluster(four)
-    (backward,) = [c for c in clus.clusters if four.phase(c[0][0]) is Phase.BACKWARD]
-    assert len(backward) == 4
-    sizes = sorted(map(len, backward))
-    assert sizes[0] == sizes[1] - 1 and len(set(sizes[1:])) == 1
-    index = {n: i for i, n in enumerate(four.gm.graph.nodes)}
+    the graph (with two layers, the two backwards pair up). Its nodes that read its parameters
+    (kept gathered from the forward, so read in other placements) or make their gradients keep
+    their own variables, as do the followers that read those."""
+    tr = _traced(layers)
+    clus = cluster(tr)
+    (backward,) = [c for c in clus.clusters if tr.phase(c[0][0]) is Phase.BACKWARD]
+    assert len(backward) == layers
+    index = {n: i for i, n in enumerate(tr.gm.graph.nodes)}
     for copy in backward:
         for n in copy:
             r = clus.rep[n]
             assert index[r] <= index[n] and r.target == n.target
             assert _shapes(r.meta["val"]) == _shapes(n.meta["val"])
-    # the copy that lacks the add is the last layer's
-    region = regions(four)
-    assert {region[n] for n in min(backward, key=len)} == {3}
-
-
-def test_two_layers_backwards_pair_up_but_for_the_last_layers_parameter_ends():
-    """With two layers the last layer's backward pairs with the first's, but its nodes that read
-    its parameters (kept gathered from the forward, so read in other placements) or make their
-    gradients keep their own variables, as do the single-input nodes that read those."""
-    two = _traced(2)
-    clus = cluster(two)
-    (backward,) = [c for c in clus.clusters if two.phase(c[0][0]) is Phase.BACKWARD]
-    region = regions(two)
-    first, last = sorted(backward, key=lambda copy: region[copy[0]])
-    assert {region[n] for n in last} == {1} and {region[n] for n in first} == {0}
-    layer1 = [n for n in two.gm.graph.nodes if region.get(n) == 1 and two.phase(n) is Phase.BACKWARD]
-    params = {two.node(p) for p in two.params.values()}
-    alone = [n for n in layer1 if n not in last]
-    assert any(n.target is torch.ops.aten.einsum.default for n in alone)
-    for n in layer1:
-        reads_weight = n.target is torch.ops.aten.einsum.default and any(
-            a in params or (a.target is torch.ops.aten.t.default and a.args[0] in params)
-            for a in n.all_input_nodes)
-        if reads_weight:  # an einsum that reads a weight (or its transpose) is planned apart
-            assert n not in last and clus.rep[n] is n
-    # each of the last layer's paired nodes shares its variables with one of the first layer's
-    shared = {clus.rep[n] for n in last}
-    assert len(shared) == len(last) and shared <= set(first) | set(last)
-    assert len(last) > len(first) / 2
+    sizes = sorted(map(len, backward))
+    assert sizes[0] > sizes[-1] / 2 and len(set(sizes[1:])) == 1
+    # the copy that lacks nodes is the last layer's; its einsums that read a weight are apart
+    region = regions(tr)
+    last = min(backward, key=len)
+    assert {region[n] for n in last} == {layers - 1}
+    weights = {tr.node(p) for p in tr.params.values()}
+    for n in tr.gm.graph.nodes:  # and their transposes (the backward reads t(t(w)))
+        if n.target is torch.ops.aten.t.default and n.args[0] in weights:
+            weights.add(n)
+    apart = [n for n in tr.gm.graph.nodes if region.get(n) == layers - 1 and tr.phase(n) is Phase.BACKWARD
+             and n.target is torch.ops.aten.einsum.default and set(n.all_input_nodes) & weights]
+    assert apart and all(n not in last and clus.rep[n] is n for n in apart)
 
 
 def _shapes(val) -> list:
