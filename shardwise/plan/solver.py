@@ -301,14 +301,14 @@ def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
         log.debug("HiGHS's objective is not its solution's cost; solving again without the start "
                   "(%.1f s left)", left)
         if left <= 0.0:
-            return Solved("feasible", start_cost, first_bound, start, columns=n)
+            return Solved(_proven(h, start_cost, first_bound), start_cost, first_bound, start, columns=n)
         h.clearSolver()
         h.setOptionValue("time_limit", left)
         h.run()
         info = h.getInfo()
         if info.primal_solution_status != FEASIBLE_SOLUTION or info.objective_function_value > start_cost:
             bound = min(max(first_bound, _dual_bound(h)), start_cost)
-            return Solved("feasible", start_cost, bound, start, columns=n)
+            return Solved(_proven(h, start_cost, bound), start_cost, bound, start, columns=n)
     status = h.getModelStatus()
     info = h.getInfo()
     bound = _dual_bound(h)
@@ -318,6 +318,14 @@ def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
     label = "optimal" if status == highspy.HighsModelStatus.kOptimal else "feasible"
     return Solved(label, float(info.objective_function_value), bound,
                   np.asarray(h.getSolution().col_value), columns=n)
+
+
+def _proven(h: highspy.Highs, cost: float, bound: float) -> str:
+    """"optimal" where ``bound`` proves a point of ``cost`` optimal within HiGHS's MIP gap (as
+    HiGHS measures it), else "feasible": the start kept after the run again without it (the run
+    that proved the optimum may report it a rounding error dearer than the start)."""
+    _, rel_gap = h.getOptionValue("mip_rel_gap")  # highspy's (status, value)
+    return "optimal" if cost - bound <= rel_gap * max(1.0, abs(cost)) else "feasible"
 
 
 def _dual_bound(h: highspy.Highs) -> float:

@@ -47,9 +47,10 @@ class _Highs:
     """Each run takes ``run_s`` of the clock and ends at the next of ``results``: (reported
     objective, solution), or None for no solution."""
 
-    def __init__(self, clock: _Clock, run_s: float, results: list) -> None:
+    def __init__(self, clock: _Clock, run_s: float, results: list, bounds: tuple[float, ...] = ()) -> None:
         self.clock, self.run_s, self.results = clock, run_s, list(results)
-        self.options = {"time_limit": LIMIT_S}
+        self.bounds = list(bounds)  # each run's dual bound (1.0 where not given)
+        self.options = {"time_limit": LIMIT_S, "mip_rel_gap": solver.MIP_REL_GAP}
         self.limits: list[float] = []  # the time limit of each run
         self.result = None
 
@@ -66,6 +67,7 @@ class _Highs:
         self.limits.append(self.options["time_limit"])
         self.clock.now += min(self.run_s, self.options["time_limit"])
         self.result = self.results.pop(0)
+        self.bound = self.bounds.pop(0) if self.bounds else 1.0
 
     def clearSolver(self) -> None:  # noqa: N802
         pass
@@ -73,7 +75,7 @@ class _Highs:
     def getInfo(self) -> _Info:  # noqa: N802
         if self.result is None:
             return _Info(0, float("inf"))
-        return _Info(FEASIBLE_SOLUTION, self.result[0])
+        return _Info(FEASIBLE_SOLUTION, self.result[0], self.bound)
 
     def getSolution(self) -> _Values:  # noqa: N802
         return _Values(self.result[1] if self.result is not None else np.zeros(2))
@@ -102,6 +104,16 @@ def test_the_run_again_without_the_start_has_only_the_time_left(clock):
     assert got.objective == pytest.approx(3.0)
     assert np.array_equal(got.solution, START)
     assert got.bound == pytest.approx(1.0)
+    assert got.status == "feasible"  # 1 < 3: nothing proves the start optimal
+
+
+def test_the_start_kept_is_optimal_where_the_run_again_proves_it(clock):
+    # Without the start HiGHS proves the optimum, a rounding error above the start's cost.
+    above = 3.0 * (1.0 + 1e-12)
+    h = _Highs(clock, run_s=5.0, results=[(2.0, START), (above, START)], bounds=(1.0, above))
+    got = _run_mip(h, START, 2)
+    assert np.array_equal(got.solution, START)
+    assert got.bound == pytest.approx(3.0) and got.status == "optimal"
 
 
 def test_no_time_left_keeps_the_start(clock):
