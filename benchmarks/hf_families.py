@@ -17,6 +17,10 @@ Stop 28 (a gather's later collective on the inner mesh dim charged exposed,
 ``PlannerCosts.move_shares``): every case optimal, <= its best hand plan, 9.2-30.1 s; phi3 2
 layers 44.336 ms (44.122 before), 32 layers 499.448 (499.548), Qwen2-7B 1891.4 (1898.4), gemma
 664.978 (664.934), gpt2 23.419 (23.488); objective / step 0.995-1.007 but Qwen2's 0.950.
+Stop 38 (the last layer's parameter ends planned apart, ``plan/cluster.py``): every case optimal,
+<= its best hand plan, no fallback ops, 8.5-25.0 s; phi3 2 layers 44.336 ms, 32 layers 499.698
+(499.837 with them tied to their cluster), Qwen2-7B 1927.1 (1955.7), gemma 664.964 (664.939),
+gpt2 23.419.
 """
 
 from __future__ import annotations
