@@ -321,9 +321,9 @@ def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
 
 
 def _proven(h: highspy.Highs, cost: float, bound: float) -> str:
-    """"optimal" where ``bound`` proves a point of ``cost`` optimal within HiGHS's MIP gap (as
-    HiGHS measures it), else "feasible": the start kept after the run again without it (the run
-    that proved the optimum may report it a rounding error dearer than the start)."""
+    """The status of the start kept after the run again without it, at ``cost``: "optimal"
+    where ``bound`` proves it within HiGHS's MIP gap (as HiGHS measures it: the run that proved
+    the optimum may report it a rounding error dearer than the start), else "feasible"."""
     _, rel_gap = h.getOptionValue("mip_rel_gap")  # highspy's (status, value)
     return "optimal" if cost - bound <= rel_gap * max(1.0, abs(cost)) else "feasible"
 
