@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from shardwise.ir.flops import is_view
+from shardwise.ir.regions import alias_root, is_view_op
 from shardwise.ir.trace import Phase, Traced
 from shardwise.plan.plan import tensor_args
 
@@ -264,19 +264,10 @@ def _unline_readers(at: dict[fx.Node, int], full: list[fx.Node]) -> None:
 def _parameter_ends(traced: Traced) -> set[fx.Node]:
     """The nodes that read a parameter (itself or a view of it) and those that produce a
     parameter's gradient (before the views that lead to it)."""
-    views = {traced.node(p) for p in traced.params.values()}
-    ends = set()
-    for n in traced.gm.graph.nodes:
-        if is_view(n) and n.args and n.args[0] in views:
-            views.add(n)
-        elif n.op == "call_function" and any(a in views for a in tensor_args(n)):
-            ends.add(n)
-    for g in traced.grads.values():
-        n = traced.node(g)
-        while is_view(n):
-            n = n.args[0]
-        ends.add(n)
-    return ends
+    params = {traced.node(p) for p in traced.params.values()}
+    ends = {n for n in traced.gm.graph.nodes if n.op == "call_function" and not is_view_op(n)
+            and any(alias_root(a) in params for a in tensor_args(n))}
+    return ends | {alias_root(traced.node(g)) for g in traced.grads.values()}
 
 
 def _single_input(n: fx.Node) -> list[fx.Node]:
