@@ -266,3 +266,28 @@ def test_fsdp_keeps_the_logits_and_the_loss_batch_split():
     assert plan.nodes[loss.name].output[0] == (Partial("avg"),)
     logits = next(n for n in traced.gm.graph.nodes if "_log_softmax" == n.name)
     assert plan.nodes[logits.name].output[0] == (Shard(0),)
+
+
+def test_fsdp_over_a_tensor_parallel_weight_gathers_only_its_tp_shard():
+    """FSDP2 splits a column-parallel weight's tp shard again over dp (a strided shard), so its
+    gather over dp moves that shard, 1/tp of the weight. The fsdp_tp baselines store such a
+    weight Shard(1) over dp (the same bytes): DTensor's nested (Shard(0), Shard(0)) undoes the tp
+    split to gather over dp, moving the whole weight. Row-parallel weights keep Shard(0) over dp."""
+    from shardwise.cost.hardware import get_hardware
+    from shardwise.plan.baselines import baseline_spec
+    from shardwise.plan.costs import PlannerCosts
+
+    tr = trace_model("llama3-8b", layers=1, batch=8, seq=128)
+    mesh = Mesh((8, 8), ("dp", "tp"), "h100")
+    by_name = {p: tr.node(ph) for p, ph in tr.params.items()}
+    wq = next(n for p, n in by_name.items() if p.endswith("wq.weight"))
+    wo = next(n for p, n in by_name.items() if p.endswith("wo.weight"))
+    costs = PlannerCosts(mesh.shape, get_hardware("h100"))
+    gathered = (Replicate(), Shard(0))
+    nested = (Shard(0), Shard(0))
+    for name in ("fsdp_tp", "fsdp_tp_sp"):
+        fixed = baseline_spec(name, tr, mesh).fixed
+        assert fixed[wq.name] == (Shard(1), Shard(0)) and fixed[wo.name] == (Shard(0), Shard(1))
+        val = wq.meta["val"]
+        times = costs.move_times([fixed[wq.name], nested], [gathered], val)
+        assert times[0, 0] < times[1, 0] / 4  # one tp shard (1/8) against the whole weight
