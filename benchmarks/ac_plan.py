@@ -44,6 +44,11 @@ Stop 28 (a gather's later collective on the inner mesh dim charged exposed,
 ``PlannerCosts.move_shares``; ``--rows 8b-64``): 1.397 and 1.179, the auto plan 6,080 tokens/s
 (none x 7, selective x 24, full x 1; 85.6 GiB) against 6,215 and 6,222 (none x 3, selective x
 29; 83.2 GiB) on the tree before, measured the same hour.
+Stop 39 (the fsdp_tp_sp hand plan gathers a column-parallel weight's tp shard over dp, as FSDP2's
+strided shard does, not the whole weight; a quiet 2-core machine): every row fits and is >= its
+hand plan; auto / hand 1.000, 1.036, 1.312 and 1.101 (8B 64 GPU: the hand plan 4,487.0 and
+5,354.9 tokens/s, the auto plan 5,887.4 and 5,893.4), 1.302 and 1.120 (70B 256 GPU: the hand plan
+609.5 and 708.0, the auto plan 793.3); planning 9.5 s, 81-82 s, 145-147 s.
 """
 
 from __future__ import annotations

@@ -27,6 +27,12 @@ difference, the memory-bound rate) and 70B 256-GPU without async TP. It found co
 and mem_eff 0.7 (worst fitted ratio 1.070). Not fitted on: the 8B 64-GPU rows (vanilla and async
 TP), the 70B async-TP row, the two memory rows, and the held-out rows below.
 
+Since the fsdp_tp_sp plan gathers a column-parallel weight's tp shard over dp, as FSDP2's strided
+shard does (``plan/baselines._fsdp_of_tp_shard``; it gathered the whole weight), the tensor-parallel
+rows read 1.025 (8B 64 GPU; 0.994 before), 1.114 (async TP; 1.072), 1.020 (70B 256 GPU; 0.976) and
+1.085 (async TP; 1.031); the fitted rows' worst ratio is 1.047, inside the band: the fit was not
+run again.
+
 Peak memory. torchtitan reports ``torch.cuda.max_memory_reserved`` (its DeviceMemoryMonitor's
 ``max_reserved_gib``), with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` set by its launch
 script. The estimate has no constant for it: the schedule lays every buffer of the step out in

@@ -197,6 +197,18 @@ rotary cos and sin) following that input as single-input nodes do: 2 layers 87,2
 columns, but a plan 12% slower (53.6 ms): a value several such nodes read (a gradient sum read
 by two of the norm's multiplies) is then moved after each instead of once before them; allowed
 only where the node is its input's one reader, 85,179 columns, not worth the rule.
+
+Stop 39 (``--modes warm --gap 0.01``): the fsdp_tp baselines store a weight tensor parallelism
+splits on dim 0 as Shard(1) over dp, the bytes of FSDP2's strided shard
+(``baselines._fsdp_of_tp_shard``); they stored DTensor's nested (Shard(0), Shard(0)), whose
+gather over dp moves the whole weight. The hand plans the solver starts from are now priced as
+torchtitan runs them: llama3-8b 2 layers fsdp_tp 122.3 -> 57.7 ms, fsdp_tp_sp 122.7 -> 55.2 ms
+(``shardwise estimate``); llama3-70b fsdp_tp 5.46 -> 1.83 s (not fitting without
+checkpointing). 2 layers: the same plan (47.8 ms), 11.5 s. 32 layers: the same plan
+(321.8 ms), 12.0 s (a first run beside other work 21.2 s, its solve 13.0 s against 3.7 s).
+70B, started from fsdp_tp: a plan of **1.661 s** a step by the schedule (2.012 s before: the
+ILP had priced it at 1.738 s, 0.864 of the schedule; the plan now returned it prices at 1.865 s,
+1.123), gap 3.42%, 74.7 s.
 """
 
 from __future__ import annotations
