@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--mesh", default="8x8")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--plans", default=",".join(BASELINES))
+    ap.add_argument("--plans", default=",".join((*BASELINES, "auto")))
     ap.add_argument("--blocks", action="store_true", help="print each plan's per-block table")
     args = ap.parse_args()
     shape = tuple(int(x) for x in args.mesh.split("x"))
