@@ -113,12 +113,12 @@ and the auto plan 196.9 against 230.7 ms (0.853), so the ILP prefers a plan 19% 
 fsdp_tp (the planner then returns fsdp_tp, the cheaper by the schedule). fsdp_tp's layers are
 priced too high: their exposed collectives are on tp and its gathers on dp, two streams side by
 side (forward 6.31 against 5.60 ms a layer: the schedule's max(compute + exposed, dp gathers)).
-The auto plan's too low: it moves activations over dp (an all_gather and an all_to_all, 4.4 ms
-a layer, exposed), which queue behind the next layer's prefetched dp gathers (2.2 ms), and the
-compute waits for them (10.78 against 8.73 ms a layer). A row per stream and a stall row for a
-stream carrying both kinds would price both; the stall depends on whether a block's exposed
-moves use that stream, a product of choices, which is why it is not here yet. 8B, 2 layers:
-fsdp_tp 0.946, fsdp_tp_sp 1.037, auto 1.120.
+The auto plan's are priced too low: it moves activations over dp (an all_gather and an
+all_to_all, 4.4 ms a layer, exposed), which queue behind the next layer's prefetched dp gathers
+(2.2 ms), and the compute waits for them (10.78 against 8.73 ms a layer). A row per stream
+and a stall row for a stream carrying both kinds would price both; the stall depends on
+whether a block's exposed moves use that stream, a product of choices, which is why it is not
+here yet. 8B, 2 layers: fsdp_tp 0.946, fsdp_tp_sp 1.037, auto 1.120.
 
 Exact where a plan has one stream's worth of communication: on one device the objective is
 the schedule's step (tests/plan/test_objective.py); on 1-D meshes the auto plan is within 1%

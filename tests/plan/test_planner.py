@@ -283,11 +283,9 @@ def test_fsdp_over_a_tensor_parallel_weight_gathers_only_its_tp_shard():
     wq = next(n for p, n in by_name.items() if p.endswith("wq.weight"))
     wo = next(n for p, n in by_name.items() if p.endswith("wo.weight"))
     costs = PlannerCosts(mesh.shape, get_hardware("h100"))
-    gathered = (Replicate(), Shard(0))
-    nested = (Shard(0), Shard(0))
+    gathered, nested = (Replicate(), Shard(0)), (Shard(0), Shard(0))
     for name in ("fsdp_tp", "fsdp_tp_sp"):
         fixed = baseline_spec(name, tr, mesh).fixed
         assert fixed[wq.name] == (Shard(1), Shard(0)) and fixed[wo.name] == (Shard(0), Shard(1))
-        val = wq.meta["val"]
-        times = costs.move_times([fixed[wq.name], nested], [gathered], val)
+        times = costs.move_times([fixed[wq.name], nested], [gathered], wq.meta["val"])
         assert times[0, 0] < times[1, 0] / 4  # one tp shard (1/8) against the whole weight
