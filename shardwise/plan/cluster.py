@@ -18,7 +18,6 @@ the cluster's variables, its other nodes keep their own; two such layers pair up
 from __future__ import annotations
 
 import difflib
-import operator
 import re
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from shardwise.ir.match import is_getitem
 from shardwise.ir.regions import alias_root, is_view_op
 from shardwise.ir.trace import Phase, Traced
 from shardwise.plan.plan import tensor_args
@@ -273,7 +273,7 @@ def _parameter_ends(traced: Traced) -> set[fx.Node]:
 def _single_input(n: fx.Node) -> list[fx.Node]:
     """A getitem's parent, or the one tensor argument of a node with one (a follower in the
     making, ``strategies._make_follower``); [] otherwise."""
-    if n.target is operator.getitem:
+    if is_getitem(n):
         return [n.args[0]]
     args = tensor_args(n)
     return args if len(args) == 1 else []
