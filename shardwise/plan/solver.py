@@ -503,6 +503,22 @@ def _lp_bound(m: Model, unit: float, time_limit_s: float, tolerance: float | Non
     return run.result()
 
 
+def _equilibrate_rows(lp: highspy.HighsLp, m: Model) -> np.ndarray:
+    """Divide each row of ``lp`` (coefficients and bounds) by its largest coefficient; returns
+    the factors. The interior point converges in fewer iterations on the scaled rows: the max
+    rows' coefficients are kernel times in microseconds (up to 1e6), the transport rows' are 1
+    (llama3-8b, 2 layers over 8x8: 55 -> 45 iterations, 9.4-9.6 -> 7.5-7.7 s). The point is the
+    same; a scaled row's dual is the row's divided by its factor."""
+    rows = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
+    largest = np.zeros(len(m.row_lb))
+    np.maximum.at(largest, rows, np.abs(np.asarray(m.value, dtype=np.float64)))
+    scale = 1.0 / np.where(largest > 0.0, largest, 1.0)
+    lp.a_matrix_.value_ = np.asarray(lp.a_matrix_.value_) * scale[rows]
+    lp.row_lower_ = np.asarray(lp.row_lower_) * scale  # infinities stay infinite
+    lp.row_upper_ = np.asarray(lp.row_upper_) * scale
+    return scale
+
+
 class LpRun:
     """``_lp_bound`` of a model, optionally solved in a background thread: HiGHS leaves Python's
     GIL while it runs, so the planner goes on (pricing the hand plans) on another core. The
@@ -519,6 +535,7 @@ class LpRun:
         self.m, self.tolerance = m, tolerance
         self.lp = _highs_lp(m, unit)
         self.lp.integrality_ = []
+        self.row_scale = _equilibrate_rows(self.lp, m)
         self.h = _highs(time_limit_s)
         self.h.setOptionValue("solver", "ipm")
         self.h.setOptionValue("run_crossover", "off")
@@ -549,8 +566,9 @@ class LpRun:
         h, lp, m = self.h, self.lp, self.m
         if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
-        y = np.asarray(h.getSolution().row_dual, dtype=np.float64).copy()
-        lo, hi = np.asarray(lp.row_lower_), np.asarray(lp.row_upper_)
+        # The duals of the rows as ``m`` writes them (each scaled row's dual, times its scale).
+        y = np.asarray(h.getSolution().row_dual, dtype=np.float64) * self.row_scale
+        lo, hi = np.array(m.row_lb, dtype=np.float64), np.array(m.row_ub, dtype=np.float64)
         y[(y > 0.0) & ~np.isfinite(lo)] = 0.0
         y[(y < 0.0) & ~np.isfinite(hi)] = 0.0
         row_of = np.repeat(np.arange(len(lo)), np.diff(np.array(m.starts + [len(m.index)])))

@@ -189,3 +189,22 @@ def test_a_process_that_exits_while_an_lp_runs_exits_cleanly():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "terminate called" not in done.stderr
+
+
+def test_the_bound_of_the_row_scaled_lp_is_the_lp_optimum_of_the_rows_as_written():
+    """The interior point solves rows divided by their largest coefficient; the point and the
+    bound are those of the rows as the model writes them (a bound from the scaled rows' duals
+    taken as the written rows' would be off by the factors, 1e6 here)."""
+    m = solver.Model()
+    x1, x2 = m.var(0.0), m.var(0.0)
+    w = m.var(1.0, ub=1e7, integer=False)
+    m.row(1.0, 1.0, {x1: 1.0, x2: 1.0})
+    m.row(0.0, np.inf, {w: 1.0, x1: -3e6, x2: -1e6})  # w >= 3e6 x1 + 1e6 x2
+    m.row(0.0, np.inf, {w: 1.0, x2: -4e6})  # w >= 4e6 x2
+    run = solver.LpRun(m, 1.0, TIME_LIMIT_S, background=False)
+    assert run.row_scale.tolist() == pytest.approx([1.0, 1 / 3e6, 1 / 4e6])
+    got = run.result()
+    # the max of the two rows is least at x2 = 1/2: w = 2e6 (the whole plans cost 3e6 and 4e6)
+    assert got.bound == pytest.approx(2e6, rel=1e-6)
+    assert got.primal[x2] == pytest.approx(0.5, abs=1e-6) and got.primal[w] == pytest.approx(2e6, rel=1e-6)
+    assert solver.violated_rows(m, np.round(got.primal, 6)) == 0
