@@ -209,6 +209,27 @@ checkpointing). 2 layers: the same plan (47.8 ms), 11.5 s. 32 layers: the same p
 70B, started from fsdp_tp: a plan of **1.661 s** a step by the schedule (2.012 s before: the
 ILP had priced it at 1.738 s, 0.864 of the schedule; the plan now returned it prices at 1.865 s,
 1.123), gap 3.42%, 74.7 s.
+
+Stop 40 (``--modes warm --gap 0.01``, a quiet 2-core machine): the interior point solves the LP
+with each row divided by its largest coefficient (``solver._equilibrate_rows``; the max rows
+carry kernel times in microseconds, up to 1e6, beside the transport rows' 1s). The 2-layer LP
+alone (its MPS, ipx to 1e-5, one thread, two runs each): 55 -> 45 iterations, 9.4-9.6 ->
+7.5-7.7 s. 2 layers 11.95 -> 11.08 s (solve 8.20 -> 7.03 s), 32 layers 11.00 -> 10.74 s (solve
+3.2 -> 2.3 s), the same plans and gaps (0.30%, 0.03%); llama-tiny over 2x2 (``shardwise plan
+--model llama-tiny --mesh 2x2 --mesh-names dp,tp``) solve 6.25 -> 4.61 s, the same optimum.
+70B: 76.1 s at its time limit, the same plan (1.661 s), gap 3.41%. Tried on the same LP, not
+kept: Ruiz scaling of rows and columns (3 or 10 rounds) 10.9-11.4 s; rows by their largest
+coefficient once more after columns, no better; the 582 columns dearer alone than the LP's
+optimum fixed out (no plan that uses one beats the start) 9.4 s.
+
+Where 70B's gap stands (``planner`` debug log and HiGHS's own, same run): the LP bound 1.67789
+s after 9.0 s, its rounded point 1.73792 s (the neighbourhood MIP finds nothing cheaper); the
+MIP over the 58,612 columns that reduced-cost fixing leaves stays at its root node for its 55 s
+(its root LP by dual simplex, then cuts: bound 1.67789 -> 1.67845). The LP point leaves 24 of
+149 one-hot groups fractional, the three most (0.48, 0.48, 0.38) the layer cluster's weights.
+Branching on the most fractional (four interior-point LPs of 8.4-10 s: each of its three live
+choices, and the rest) raises the bound only to 1.68251 (0.28%): the relaxation is weak over
+several groups at once, so neither strong branching nor more of HiGHS's cuts reaches 1%.
 """
 
 from __future__ import annotations
