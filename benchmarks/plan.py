@@ -218,9 +218,9 @@ alone (its MPS, ipx to 1e-5, one thread, two runs each): 55 -> 45 iterations, 9.
 3.2 -> 2.3 s), the same plans and gaps (0.30%, 0.03%); llama-tiny over 2x2 (``shardwise plan
 --model llama-tiny --mesh 2x2 --mesh-names dp,tp``) solve 6.25 -> 4.61 s, the same optimum.
 70B: 76.1 s at its time limit, the same plan (1.661 s), gap 3.41%. Tried on the same LP, not
-kept: Ruiz scaling of rows and columns (3 or 10 rounds) 10.9-11.4 s; rows by their largest
-coefficient once more after columns, no better; the 582 columns dearer alone than the LP's
-optimum fixed out (no plan that uses one beats the start) 9.4 s.
+kept: Ruiz scaling of rows and columns (3 or 10 rounds) 10.9-11.4 s, of rows only (3 rounds)
+8.6 s; the 582 columns dearer alone than the LP's optimum fixed out (no plan that uses one
+beats the start) 9.4 s.
 
 Where 70B's gap stands (``planner`` debug log and HiGHS's own, same run): the LP bound 1.67789
 s after 9.0 s, its rounded point 1.73792 s (the neighbourhood MIP finds nothing cheaper); the
