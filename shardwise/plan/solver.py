@@ -124,6 +124,10 @@ class Model:
         self.index.extend(terms.keys())
         self.value.extend(terms.values())
 
+    def entry_rows(self) -> np.ndarray:
+        """The row of each entry of ``index`` and ``value``."""
+        return np.repeat(np.arange(len(self.row_lb)), np.diff(np.array(self.starts + [len(self.index)])))
+
     def at_least(self, t: int, rows: list[dict[int, float]]) -> None:
         """t >= sum(terms) for each of ``rows``: rows of the model, and ``t_rows`` (a start point
         sets t to the largest; add t after the variables its rows read)."""
@@ -231,7 +235,7 @@ def _by_pricing(m: Model, unit: float, left_out: np.ndarray, deadline: float,
     ub = np.asarray(relaxed.col_upper_).copy()
     index = np.array(m.index, dtype=np.int64)
     value = np.array(m.value, dtype=np.float64)
-    row_of = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
+    row_of = m.entry_rows()
     restricted_ub = ub.copy()
     restricted_ub[left_out] = 0.0
     relaxed.col_upper_ = restricted_ub
@@ -448,7 +452,7 @@ def complete(m: Model, val: np.ndarray) -> np.ndarray:
 
 def violated_rows(m: Model, val: np.ndarray) -> int:
     """How many rows ``val`` breaks (beyond HiGHS's feasibility tolerance)."""
-    rows = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
+    rows = m.entry_rows()
     activity = np.bincount(rows, weights=np.array(m.value) * val[np.array(m.index, dtype=np.int64)],
                            minlength=len(m.row_lb))
     lo, hi = np.array(m.row_lb), np.array(m.row_ub)
@@ -509,7 +513,7 @@ def _equilibrate_rows(lp: highspy.HighsLp, m: Model) -> np.ndarray:
     rows' coefficients are kernel times in microseconds (up to 1e6), the transport rows' are 1
     (llama3-8b, 2 layers over 8x8: 55 -> 45 iterations, 9.4-9.6 -> 7.5-7.7 s). The point is the
     same; a scaled row's dual is the row's divided by its factor."""
-    rows = np.repeat(np.arange(len(m.row_lb)), np.diff(np.array(m.starts + [len(m.index)])))
+    rows = m.entry_rows()
     largest = np.zeros(len(m.row_lb))
     np.maximum.at(largest, rows, np.abs(np.asarray(m.value, dtype=np.float64)))
     scale = 1.0 / np.where(largest > 0.0, largest, 1.0)
@@ -571,7 +575,7 @@ class LpRun:
         lo, hi = np.array(m.row_lb, dtype=np.float64), np.array(m.row_ub, dtype=np.float64)
         y[(y > 0.0) & ~np.isfinite(lo)] = 0.0
         y[(y < 0.0) & ~np.isfinite(hi)] = 0.0
-        row_of = np.repeat(np.arange(len(lo)), np.diff(np.array(m.starts + [len(m.index)])))
+        row_of = m.entry_rows()
         index, value = np.array(m.index, dtype=np.int64), np.array(m.value)
         cost = np.asarray(lp.col_cost_)
         reduced = cost - np.bincount(index, weights=value * y[row_of], minlength=len(cost))
