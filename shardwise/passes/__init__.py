@@ -16,6 +16,7 @@ from shardwise.errors import UserError
 PASSES: dict[str, str] = {
     "einsum": "shardwise.passes.einsum",
     "norms": "shardwise.passes.norms",
+    "square_grad": "shardwise.passes.square_grad",
     "sequence_parallel": "shardwise.passes.sequence_parallel",
     "collective_matmul": "shardwise.passes.collective_matmul",
     "bucket": "shardwise.passes.bucket",

@@ -3,7 +3,8 @@
 Steps, in order (one screen, by name):
 
 1. ``einsum``  view -> mm -> view (and the weight-gradient mm) -> einsum with the batch dims kept;
-2. ``norms``   decomposed RMSNorm (and its residual add) -> ``shardwise.rms_norm`` ops.
+2. ``norms``   decomposed RMSNorm (and its residual add) -> ``shardwise.rms_norm`` ops;
+3. ``square_grad`` the scalars of a square's backward (an RMSNorm's, in training) -> the small operand.
 
 A step whose module is not part of this checkout is skipped (the registry names passes before
 they all exist); a module that exists but fails to import is an error, never silently skipped.
@@ -18,7 +19,7 @@ from torch import fx
 from shardwise.ir.trace import Traced
 from shardwise.passes import PASSES, run_passes
 
-CANONICALIZE: tuple[str, ...] = ("einsum", "norms")
+CANONICALIZE: tuple[str, ...] = ("einsum", "norms", "square_grad")
 
 
 def available(names: tuple[str, ...] = CANONICALIZE) -> list[str]:
