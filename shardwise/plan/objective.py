@@ -57,13 +57,23 @@ it by interior point and finishes from there (``solver.solve_by_lp_bound``: roun
 neighbourhood MIP, reduced-cost fixing, the MIP over what is left). The objective reported is
 the maximum form above at the chosen point (``value``, the model's cost there).
 
+The drain (``_drain``): the head's backward, the last block, issues its gradient reductions
+after its kernels, behind whatever the last layer's backward still has queued; that layer makes
+some gradients late (its attention's, its first norm's), so their reductions run past its
+kernels. One more variable d in the cost, with a row per gradient g of the last layer's own
+copy: d >= the compute stream's time to g, plus the reductions from g on, plus the head's,
+less what the two blocks' T already charge. (On llama-tiny, 2 layers, over 4 ranks the ILP's
+plan without it was priced at 0.986 of the schedule, which ran the head's block 17 us longer
+than its kernels and reduction; with it, 0.996, and the ILP picks a plan 1.4% faster by the
+schedule.)
+
 Not modelled (the schedule's estimate of the chosen plan is reported beside the objective, and
 the planner chooses by that estimate among the ILP's solution and the hand plans): dependency
-stalls inside a block, a queue carried from one block to the next, one stream per mesh dim (one
-for all here), ``--compile``'s fused kernels and ``--async-tp``'s fused collectives (priced eager
-and exposed), and the collectives recomputation repeats. What they amount to, block by block
-(``benchmarks/objective_terms.py --blocks``; llama3-8b, 2 layers, 8x8, b16 x 8192, fsdp_tp_sp:
-objective 155.6 ms, schedule 148.3 ms):
+stalls inside a block (but the drain above), a queue carried from one block to the next, one
+stream per mesh dim (one for all here), ``--compile``'s fused kernels and ``--async-tp``'s fused
+collectives (priced eager and exposed), and the collectives recomputation repeats. What they
+amount to, block by block (``benchmarks/objective_terms.py --blocks``; llama3-8b, 2 layers,
+8x8, b16 x 8192, fsdp_tp_sp: objective 155.6 ms, schedule 148.3 ms):
 
 - the schedule starts a block at its first parameter's arrival, the objective once all its
   prefetched gathers have arrived (the head's block: 30.1 ms against 23.3 ms);
@@ -127,6 +137,7 @@ of it and DDP within 3%; on 2x2 every hand plan within 30% (``ENVELOPE`` there).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections import defaultdict
@@ -168,6 +179,17 @@ Block = tuple[Phase, int]  # (phase, region): a layer index, HEAD or TAIL
 EdgeKey = tuple[fx.Node, fx.Node, int]  # (producer, consumer, argument) on representatives
 
 
+@dataclass
+class Drain:
+    """The terms of ``ScheduleObjective._drain``'s rows (seconds per column)."""
+
+    before: dict[int, float]  # the block before the last's kernels before its own copy's first
+    kernels: list[dict[int, float]]  # its own copy's kernels up to each gradient, from the last
+    reductions: list[dict[int, float]]  # each gradient's reductions
+    after: dict[int, float]  # the last block's hidden collectives
+    blocks: list[Block]  # the two blocks whose w[b] the rows subtract
+
+
 class Load:
     """What a cost term occupies in its block."""
 
@@ -187,6 +209,10 @@ class ScheduleObjective:
     options: StepOptions
     terms: dict[Block, dict[str, dict[int, float]]] = field(default_factory=dict)
     serial: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    # The block before the last (``_drain``): its own kernels and gradient reductions
+    # (seconds; of a cluster's block, its copy's), each at its node's position in the graph.
+    drain_compute: list[tuple[int, int, float]] = field(default_factory=list)
+    drain_reductions: list[tuple[int, int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         gm = self.traced.gm
@@ -210,6 +236,14 @@ class ScheduleObjective:
         self.pred = dict(zip(order[1:], order[:-1], strict=True))
         self.succ = dict(zip(order[:-1], order[1:], strict=True))
         self.last = order[-1] if order else None
+        self.before_last = self.pred.get(self.last)
+        self.position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.n_copies = self.clus.copies()
+        # Each representative's own node in the layer (forward and backward) of the block
+        # before the last.
+        self.in_before_last = {} if self.before_last is None else {
+            self.clus.rep.get(n, n): n for n in gm.graph.nodes
+            if n.op == "call_function" and self._block(n)[1] == self.before_last[1]}
 
     # ---- where a term goes -----------------------------------------------------------------
     def _block(self, node: fx.Node) -> Block:
@@ -250,8 +284,10 @@ class ScheduleObjective:
                 seconds *= CAUSAL_WORK_FRACTION
             block = self._block(tag)
             self._add(block, Load.COMPUTE, col, seconds)
+            self._note_compute(tag, col, seconds)
             if tag in self.recompute:  # run again at the start of its layer's backward
                 self._add((Phase.BACKWARD, block[1]), Load.COMPUTE, col, seconds)
+                self._note_compute(tag, col, seconds, recomputed=True)
             return
         u, v, j = tag[0]
         if j == GRAD_SINK:
@@ -273,6 +309,9 @@ class ScheduleObjective:
                     self._add(c, Load.EXPOSED, col, seconds / len(copies))
                 else:
                     self._add(c, Load.HIDDEN, col, seconds / len(copies))
+            own = self.in_before_last.get(u)
+            if own is not None and self._block(own) == self.before_last:
+                self.drain_reductions.append((self.position[own], col, seconds / self.n_copies.get(u, 1)))
         elif self.prefetched(u, j):
             # Prefetched: gathered while the block before runs (FSDP2's implicit prefetch); the
             # first block's, before anything runs. ``tag`` lists the readers that need the
@@ -309,8 +348,19 @@ class ScheduleObjective:
             return
         if is_causal_attention(node):
             seconds *= CAUSAL_WORK_FRACTION
-        self._add((Phase.BACKWARD, self._block(node)[1]), Load.COMPUTE, col, seconds)
+        block = (Phase.BACKWARD, self._block(node)[1])
+        self._add(block, Load.COMPUTE, col, seconds)
+        self._note_compute(node, col, seconds, recomputed=True)
         self.serial[col] += RECOMPUTE_TIE * seconds
+
+    def _note_compute(self, node: fx.Node, col: int, seconds: float, recomputed: bool = False) -> None:
+        """A kernel of representative ``node`` (``seconds``: every copy's): ``drain_compute``
+        keeps its own copy's in the block before the last, at its position (recomputed: first,
+        at the start of the forward node's layer backward)."""
+        own = self.in_before_last.get(node)
+        if own is not None and (recomputed or self._block(own) == self.before_last):
+            at = -1 if recomputed else self.position[own]
+            self.drain_compute.append((at, col, seconds / self.n_copies.get(node, 1)))
 
     def split(self, keys: Sequence[EdgeKey], kept: bool) -> list[list[EdgeKey]]:
         """One producer's edges (a parameter's: those of its transposes too, ``ilp.py``) into the
@@ -352,18 +402,78 @@ class ScheduleObjective:
         """Write the objective into the model ``m`` (``ilp._Model``, seconds per unit of each
         column): the serial and exposed terms in its cost; per block, w[b] in the cost and its
         two rows, w[b] >= compute[b] and w[b] >= hidden[b] (in microseconds, like the move
-        variables t, so that the rows' coefficients stay above HiGHS's tolerances). w[b] is a
-        move-like variable of ``m.t_rows``: a start point sets it to the larger of its rows."""
+        variables t, so that the rows' coefficients stay above HiGHS's tolerances); the drain
+        d and its rows (``_drain``). w[b] and d are move-like variables of ``m.t_rows``: a
+        start point sets each to the largest of its rows."""
         self.unit_s = unit_s
         for col, t in self.serial.items():
             m.cost[col] += t
-        for loads in self.terms.values():
+        w_of = {}
+        for b, loads in self.terms.items():
             for col, t in loads.get(Load.EXPOSED, {}).items():
                 m.cost[col] += t
-            w = m.var(0.0, ub=math.inf, integer=False)
+            w_of[b] = w = m.var(0.0, ub=math.inf, integer=False)
             m.cost[w] += unit_s
             m.at_least(w, [{c: t / unit_s for c, t in loads.get(load, {}).items() if t}
                            for load in (Load.COMPUTE, Load.HIDDEN)])
+        drain = self._drain()
+        if drain is None:
+            return
+        # The drain is left out of the interior-point LP (it made llama3-8b's 32-layer LP take
+        # 52 iterations instead of 39, 19.5 s instead of 11.6): d >= 0 only adds to the cost, so
+        # the LP without it is a relaxation and its bound holds; rounding, the neighbourhood and
+        # the MIP price it.
+        m.relaxed_from = (len(m.cost), len(m.row_lb))
+
+        def chained(parts: list[dict[int, float]]) -> list[int]:
+            # v[i] >= v[i - 1] + parts[i]: a running sum, each row only its own part's columns.
+            out: list[int] = []
+            for part in parts:
+                v = m.var(0.0, ub=math.inf, integer=False)
+                terms = {c: t / unit_s for c, t in part.items()}
+                m.at_least(v, [{out[-1]: 1.0, **terms} if out else terms])
+                out.append(v)
+            return out
+
+        reached = chained([drain.before, *drain.kernels])[1:]
+        queued = chained(drain.reductions[::-1])[::-1]
+        d = m.var(0.0, ub=math.inf, integer=False)
+        m.cost[d] += unit_s
+        rest = {**{c: t / unit_s for c, t in drain.after.items()}, **{w_of[b]: -1.0 for b in drain.blocks}}
+        m.at_least(d, [{b: 1.0, r: 1.0, **rest} for b, r in zip(reached, queued, strict=True)])
+
+    def _drain(self) -> Drain | None:
+        """The drain of the step's end: the last block (the head's backward) issues its gradient
+        reductions after its kernels, and they queue on the communication stream behind the
+        reductions of the block before it (the last layer's), issued as its gradients are made.
+        Where that layer's last gradients come late, the step ends after its blocks' maxima
+        would: for each gradient g_i of the block before's own copy (of a cluster's copies),
+
+            d >= compute[P] - (its own kernels after g_i) + (its reductions from g_i on)
+                 + hidden[L] - w[P] - w[L]
+
+        (the compute stream reaches g_i, then the queue from g_i on runs, then L's collectives,
+        less what T[P] + T[L] already charge; the exposed collectives are left out of both
+        sides, which over-counts those of P after g_i). The compute to g_i and the queue from
+        it are running sums, so that the rows do not each repeat the block's every kernel
+        column (9 such rows made the 8B 32-layer LP 40% slower)."""
+        if self.before_last is None or not self.drain_reductions:
+            return None
+        p = self.canon.get(self.before_last, self.before_last)
+        before = dict(self.terms.get(p, {}).get(Load.COMPUTE, {}))
+        for _, c, t in self.drain_compute:  # the other copies' kernels, all before g_1
+            before[c] = before.get(c, 0.0) - t
+        at = sorted({pos for pos, _, _ in self.drain_reductions})
+        kernels: list[dict[int, float]] = [defaultdict(float) for _ in at]
+        reductions: list[dict[int, float]] = [defaultdict(float) for _ in at]
+        for pos, c, t in self.drain_compute:  # kernels up to g_i (those after the last: never)
+            i = bisect.bisect_left(at, pos)
+            if i < len(at):
+                kernels[i][c] += t
+        for pos, c, t in self.drain_reductions:
+            reductions[at.index(pos)][c] += t
+        after = dict(self.terms.get(self.last, {}).get(Load.HIDDEN, {}))
+        return Drain(before, kernels, reductions, after, [b for b in (p, self.last) if b in self.terms])
 
     @staticmethod
     def _critical(loads: dict[str, dict[int, float]]) -> dict[int, float]:
@@ -387,7 +497,24 @@ class ScheduleObjective:
     def value(self, val: np.ndarray) -> float:
         """The schedule objective (seconds) at the point ``val`` of the model's columns."""
         serial = sum(t * float(val[c]) for c, t in self.serial.items())
-        return float(serial + sum(max(crit, hid) for crit, hid in self._loads(val).values()))
+        loads = self._loads(val)
+        return float(serial + sum(max(crit, hid) for crit, hid in loads.values()) + self._drain_at(val))
+
+    def _drain_at(self, val: np.ndarray) -> float:
+        """d at the point ``val``: the largest of its rows (``_drain``), at least 0."""
+        drain = self._drain()
+        if drain is None:
+            return 0.0
+
+        def at(terms: dict[int, float]) -> float:
+            return sum(t * float(val[c]) for c, t in terms.items())
+
+        # w[b] at the point: the larger of its block's compute and hidden loads.
+        w = sum(max(at(self.terms[b].get(Load.COMPUTE, {})), at(self.terms[b].get(Load.HIDDEN, {})))
+                for b in drain.blocks)
+        reached = np.cumsum([at(drain.before) + at(drain.kernels[0]), *map(at, drain.kernels[1:])])
+        queued = np.cumsum([at(r) for r in drain.reductions[::-1]])[::-1]
+        return max(0.0, float(np.max(reached + queued)) + at(drain.after) - w)
 
     def solve(self, m, unit_s: float, time_limit_s: float, start: np.ndarray | None,
               pricing: bool = True, rel_gap: float = MIP_REL_GAP, ahead: LpRun | None = None) -> Solved:

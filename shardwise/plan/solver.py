@@ -96,6 +96,10 @@ class Model:
     fill: Callable[[np.ndarray], None] | None = None
     # The memory row (index), if any: ``solve_by_lp_bound`` also gives a bound without it.
     memory_row: int | None = None
+    # (first column, first row) of the model's last part, which the interior-point LP leaves out:
+    # columns at least 0 that only add to the cost, and the rows that read them (the schedule
+    # objective's drain), so that the LP is a relaxation of the model; None: nothing left out.
+    relaxed_from: tuple[int, int] | None = None
     # ``complete``'s index arrays, built on its first call (the model is final by then).
     _completion: _Completion | None = field(default=None, repr=False)
 
@@ -507,17 +511,36 @@ def _lp_bound(m: Model, unit: float, time_limit_s: float, tolerance: float | Non
     return run.result()
 
 
-def _equilibrate_rows(lp: highspy.HighsLp, m: Model) -> np.ndarray:
+def _relaxation(m: Model, unit: float) -> highspy.HighsLp:
+    """The LP relaxation ``LpRun`` solves: ``m`` without its integrality and without the part
+    ``Model.relaxed_from`` names (its rows read only its columns and earlier ones)."""
+    lp = _highs_lp(m, unit)
+    lp.integrality_ = []
+    if m.relaxed_from is not None:
+        cols, rows = m.relaxed_from
+        start = np.asarray(lp.a_matrix_.start_)
+        lp.num_col_, lp.num_row_ = cols, rows
+        for name in ("col_cost_", "col_lower_", "col_upper_"):
+            setattr(lp, name, np.asarray(getattr(lp, name))[:cols])
+        lp.row_lower_, lp.row_upper_ = np.asarray(lp.row_lower_)[:rows], np.asarray(lp.row_upper_)[:rows]
+        lp.a_matrix_.start_ = start[:rows + 1]
+        lp.a_matrix_.index_ = np.asarray(lp.a_matrix_.index_)[:start[rows]]
+        lp.a_matrix_.value_ = np.asarray(lp.a_matrix_.value_)[:start[rows]]
+    return lp
+
+
+def _equilibrate_rows(lp: highspy.HighsLp) -> np.ndarray:
     """Divide each row of ``lp`` (coefficients and bounds) by its largest coefficient; returns
     the factors. The interior point converges in fewer iterations on the scaled rows: the max
     rows' coefficients are kernel times in microseconds (up to 1e6), the transport rows' are 1
     (llama3-8b, 2 layers over 8x8: 55 -> 45 iterations, 9.4-9.6 -> 7.5-7.7 s). The point is the
     same; a scaled row's dual is the row's divided by its factor."""
-    rows = m.entry_rows()
-    largest = np.zeros(len(m.row_lb))
-    np.maximum.at(largest, rows, np.abs(np.asarray(m.value, dtype=np.float64)))
+    values = np.asarray(lp.a_matrix_.value_, dtype=np.float64)
+    rows = np.repeat(np.arange(lp.num_row_), np.diff(np.asarray(lp.a_matrix_.start_)))
+    largest = np.zeros(lp.num_row_)
+    np.maximum.at(largest, rows, np.abs(values))
     scale = 1.0 / np.where(largest > 0.0, largest, 1.0)
-    lp.a_matrix_.value_ = np.asarray(lp.a_matrix_.value_) * scale[rows]
+    lp.a_matrix_.value_ = values * scale[rows]
     lp.row_lower_ = np.asarray(lp.row_lower_) * scale  # infinities stay infinite
     lp.row_upper_ = np.asarray(lp.row_upper_) * scale
     return scale
@@ -536,10 +559,9 @@ class LpRun:
 
     def __init__(self, m: Model, unit: float, time_limit_s: float, tolerance: float | None = None,
                  *, background: bool = True) -> None:
-        self.m, self.tolerance = m, tolerance
-        self.lp = _highs_lp(m, unit)
-        self.lp.integrality_ = []
-        self.row_scale = _equilibrate_rows(self.lp, m)
+        self.m, self.unit, self.tolerance = m, unit, tolerance
+        self.lp = _relaxation(m, unit)
+        self.row_scale = _equilibrate_rows(self.lp)
         self.h = _highs(time_limit_s)
         self.h.setOptionValue("solver", "ipm")
         self.h.setOptionValue("run_crossover", "off")
@@ -567,17 +589,28 @@ class LpRun:
             self._thread.join()
         if self._error is not None:
             raise self._error
-        h, lp, m = self.h, self.lp, self.m
-        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        h, m = self.h, self.m
+        solution = h.getSolution()
+        # Without crossover, the interior point may stop "unknown": its point a little off the
+        # dual's tolerance (on llama3-8b, 32 layers, after 38 iterations, as often as not by the
+        # order the model's rows come in). The bound below holds for any duals, so such a point
+        # serves as well; only no point at all does not.
+        status, kind = h.getModelStatus(), highspy.HighsModelStatus
+        if not (status == kind.kOptimal
+                or (status == kind.kUnknown and solution.value_valid and solution.dual_valid)):
             return None
-        # The duals of the rows as ``m`` writes them (each scaled row's dual, times its scale).
-        y = np.asarray(h.getSolution().row_dual, dtype=np.float64) * self.row_scale
+        # The duals of the rows as ``m`` writes them (each scaled row's dual, times its scale),
+        # and the point, over the whole model (0 on the part the relaxation left out).
+        y = np.zeros(len(m.row_lb))
+        y[:self.lp.num_row_] = np.asarray(solution.row_dual, dtype=np.float64) * self.row_scale
+        primal = np.zeros(len(m.cost))
+        primal[:self.lp.num_col_] = np.asarray(solution.col_value)
         lo, hi = np.array(m.row_lb, dtype=np.float64), np.array(m.row_ub, dtype=np.float64)
         y[(y > 0.0) & ~np.isfinite(lo)] = 0.0
         y[(y < 0.0) & ~np.isfinite(hi)] = 0.0
         row_of = m.entry_rows()
         index, value = np.array(m.index, dtype=np.int64), np.array(m.value)
-        cost = np.asarray(lp.col_cost_)
+        cost = np.asarray(m.cost, dtype=np.float64) / self.unit
         reduced = cost - np.bincount(index, weights=value * y[row_of], minlength=len(cost))
         lb, ub = np.array(m.lb), np.array(m.ub)
         for t, rows in m.t_rows.items():  # t <= the largest sum its rows can force
@@ -597,7 +630,7 @@ class LpRun:
             np.add.at(free, index[row_of == at], value[row_of == at] * y[at])
             free_cols = np.where(free >= 0.0, free * lb, free * ub)
             any_budget = float(rows_part.sum() - rows_part[at] + free_cols.sum())
-        return _LpBound(bound, np.asarray(h.getSolution().col_value), reduced, any_budget)
+        return _LpBound(bound, primal, reduced, any_budget)
 
 
 def _mip(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None, upper: np.ndarray,
