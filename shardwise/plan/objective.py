@@ -57,7 +57,7 @@ it by interior point and finishes from there (``solver.solve_by_lp_bound``: roun
 neighbourhood MIP, reduced-cost fixing, the MIP over what is left). The objective reported is
 the maximum form above at the chosen point (``value``, the model's cost there).
 
-The drain (``_drain``): the head's backward, the last block, issues its gradient reductions
+The drain (``_drain_rows``): the head's backward, the last block, issues its gradient reductions
 after its kernels, behind whatever the last layer's backward still has queued; that layer makes
 some gradients late (its attention's, its first norm's), so their reductions run past its
 kernels. One more variable d in the cost, with a row per gradient g of the last layer's own
@@ -137,7 +137,6 @@ of it and DDP within 3%; on 2x2 every hand plan within 30% (``ENVELOPE`` there).
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 from collections import defaultdict
@@ -179,17 +178,6 @@ Block = tuple[Phase, int]  # (phase, region): a layer index, HEAD or TAIL
 EdgeKey = tuple[fx.Node, fx.Node, int]  # (producer, consumer, argument) on representatives
 
 
-@dataclass
-class Drain:
-    """The terms of ``ScheduleObjective._drain``'s rows (seconds per column)."""
-
-    before: dict[int, float]  # the block before the last's kernels before its own copy's first
-    kernels: list[dict[int, float]]  # its own copy's kernels up to each gradient, from the last
-    reductions: list[dict[int, float]]  # each gradient's reductions
-    after: dict[int, float]  # the last block's hidden collectives
-    blocks: list[Block]  # the two blocks whose w[b] the rows subtract
-
-
 class Load:
     """What a cost term occupies in its block."""
 
@@ -209,7 +197,7 @@ class ScheduleObjective:
     options: StepOptions
     terms: dict[Block, dict[str, dict[int, float]]] = field(default_factory=dict)
     serial: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    # The block before the last (``_drain``): its own kernels and gradient reductions
+    # The block before the last (``_drain_rows``): its own kernels and gradient reductions
     # (seconds; of a cluster's block, its copy's), each at its node's position in the graph.
     drain_compute: list[tuple[int, int, float]] = field(default_factory=list)
     drain_reductions: list[tuple[int, int, float]] = field(default_factory=list)
@@ -403,7 +391,7 @@ class ScheduleObjective:
         column): the serial and exposed terms in its cost; per block, w[b] in the cost and its
         two rows, w[b] >= compute[b] and w[b] >= hidden[b] (in microseconds, like the move
         variables t, so that the rows' coefficients stay above HiGHS's tolerances); the drain
-        d and its rows (``_drain``). w[b] and d are move-like variables of ``m.t_rows``: a
+        d and its rows (``_drain_rows``). w[b] and d are move-like variables of ``m.t_rows``: a
         start point sets each to the largest of its rows."""
         self.unit_s = unit_s
         for col, t in self.serial.items():
@@ -416,64 +404,50 @@ class ScheduleObjective:
             m.cost[w] += unit_s
             m.at_least(w, [{c: t / unit_s for c, t in loads.get(load, {}).items() if t}
                            for load in (Load.COMPUTE, Load.HIDDEN)])
-        drain = self._drain()
-        if drain is None:
+        rows, blocks = self._drain_rows()
+        if not rows:
             return
-        # The drain is left out of the interior-point LP (it made llama3-8b's 32-layer LP take
-        # 52 iterations instead of 39, 19.5 s instead of 11.6): d >= 0 only adds to the cost, so
-        # the LP without it is a relaxation and its bound holds; rounding, the neighbourhood and
-        # the MIP price it.
+        # The drain is left out of the interior-point LP (its rows took llama3-8b's 32-layer LP
+        # from 39 to 52 iterations, 11.6 to 19.5 s): d >= 0 only adds to the cost, so the LP
+        # without it is a relaxation and its bound holds; rounding, the neighbourhood and the
+        # MIP price it.
         m.relaxed_from = (len(m.cost), len(m.row_lb))
-
-        def chained(parts: list[dict[int, float]]) -> list[int]:
-            # v[i] >= v[i - 1] + parts[i]: a running sum, each row only its own part's columns.
-            out: list[int] = []
-            for part in parts:
-                v = m.var(0.0, ub=math.inf, integer=False)
-                terms = {c: t / unit_s for c, t in part.items()}
-                m.at_least(v, [{out[-1]: 1.0, **terms} if out else terms])
-                out.append(v)
-            return out
-
-        reached = chained([drain.before, *drain.kernels])[1:]
-        queued = chained(drain.reductions[::-1])[::-1]
         d = m.var(0.0, ub=math.inf, integer=False)
         m.cost[d] += unit_s
-        rest = {**{c: t / unit_s for c, t in drain.after.items()}, **{w_of[b]: -1.0 for b in drain.blocks}}
-        m.at_least(d, [{b: 1.0, r: 1.0, **rest} for b, r in zip(reached, queued, strict=True)])
+        m.at_least(d, [{**{c: t / unit_s for c, t in row.items() if t}, **{w_of[b]: -1.0 for b in blocks}}
+                       for row in rows])
 
-    def _drain(self) -> Drain | None:
+    def _drain_rows(self) -> tuple[list[dict[int, float]], list[Block]]:
         """The drain of the step's end: the last block (the head's backward) issues its gradient
         reductions after its kernels, and they queue on the communication stream behind the
         reductions of the block before it (the last layer's), issued as its gradients are made.
         Where that layer's last gradients come late, the step ends after its blocks' maxima
-        would: for each gradient g_i of the block before's own copy (of a cluster's copies),
+        would: for each gradient g of the block before's own copy (of a cluster's copies),
 
-            d >= compute[P] - (its own kernels after g_i) + (its reductions from g_i on)
+            d >= compute[P] - (its own kernels after g) + (its reductions from g on)
                  + hidden[L] - w[P] - w[L]
 
-        (the compute stream reaches g_i, then the queue from g_i on runs, then L's collectives,
+        (the compute stream reaches g, then the queue from g on runs, then L's collectives,
         less what T[P] + T[L] already charge; the exposed collectives are left out of both
-        sides, which over-counts those of P after g_i). The compute to g_i and the queue from
-        it are running sums, so that the rows do not each repeat the block's every kernel
-        column (9 such rows made the 8B 32-layer LP 40% slower)."""
+        sides, which over-counts those of P after g). Returns the rows (seconds per column,
+        the w[b] left out) and the blocks whose w[b] each row subtracts."""
         if self.before_last is None or not self.drain_reductions:
-            return None
+            return [], []
         p = self.canon.get(self.before_last, self.before_last)
-        before = dict(self.terms.get(p, {}).get(Load.COMPUTE, {}))
-        for _, c, t in self.drain_compute:  # the other copies' kernels, all before g_1
-            before[c] = before.get(c, 0.0) - t
-        at = sorted({pos for pos, _, _ in self.drain_reductions})
-        kernels: list[dict[int, float]] = [defaultdict(float) for _ in at]
-        reductions: list[dict[int, float]] = [defaultdict(float) for _ in at]
-        for pos, c, t in self.drain_compute:  # kernels up to g_i (those after the last: never)
-            i = bisect.bisect_left(at, pos)
-            if i < len(at):
-                kernels[i][c] += t
-        for pos, c, t in self.drain_reductions:
-            reductions[at.index(pos)][c] += t
-        after = dict(self.terms.get(self.last, {}).get(Load.HIDDEN, {}))
-        return Drain(before, kernels, reductions, after, [b for b in (p, self.last) if b in self.terms])
+        base = dict(self.terms.get(p, {}).get(Load.COMPUTE, {}))
+        for c, t in self.terms.get(self.last, {}).get(Load.HIDDEN, {}).items():
+            base[c] = base.get(c, 0.0) + t
+        rows = []
+        for at in sorted({pos for pos, _, _ in self.drain_reductions}):
+            row = dict(base)
+            for pos, c, t in self.drain_compute:
+                if pos > at:
+                    row[c] -= t
+            for pos, c, t in self.drain_reductions:
+                if pos >= at:
+                    row[c] = row.get(c, 0.0) + t
+            rows.append(row)
+        return rows, [b for b in (p, self.last) if b in self.terms]
 
     @staticmethod
     def _critical(loads: dict[str, dict[int, float]]) -> dict[int, float]:
@@ -501,20 +475,16 @@ class ScheduleObjective:
         return float(serial + sum(max(crit, hid) for crit, hid in loads.values()) + self._drain_at(val))
 
     def _drain_at(self, val: np.ndarray) -> float:
-        """d at the point ``val``: the largest of its rows (``_drain``), at least 0."""
-        drain = self._drain()
-        if drain is None:
-            return 0.0
+        """d at the point ``val``: the largest of its rows (``_drain_rows``), at least 0."""
+        rows, blocks = self._drain_rows()
 
         def at(terms: dict[int, float]) -> float:
             return sum(t * float(val[c]) for c, t in terms.items())
 
         # w[b] at the point: the larger of its block's compute and hidden loads.
         w = sum(max(at(self.terms[b].get(Load.COMPUTE, {})), at(self.terms[b].get(Load.HIDDEN, {})))
-                for b in drain.blocks)
-        reached = np.cumsum([at(drain.before) + at(drain.kernels[0]), *map(at, drain.kernels[1:])])
-        queued = np.cumsum([at(r) for r in drain.reductions[::-1]])[::-1]
-        return max(0.0, float(np.max(reached + queued)) + at(drain.after) - w)
+                for b in blocks)
+        return max([0.0, *(at(row) - w for row in rows)])
 
     def solve(self, m, unit_s: float, time_limit_s: float, start: np.ndarray | None,
               pricing: bool = True, rel_gap: float = MIP_REL_GAP, ahead: LpRun | None = None) -> Solved:
