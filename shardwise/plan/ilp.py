@@ -636,7 +636,10 @@ def _saved_moves(traced: Traced, clus: Clustering, costs: PlannerCosts, m: _Mode
         if not fwd or not bwd or (kept is not None and not kept[0]):
             continue
         made = supply(u)
-        for q in {q for d in fwd for q in d} & {q for d in bwd for q in d}:
+        in_bwd = {q for d in bwd for q in d}
+        # In the forward readers' order (a set's order follows the placements' hashes, which
+        # differ from run to run, and so did the rows', and the interior point's path with them).
+        for q in dict.fromkeys(q for d in fwd for q in d if q in in_bwd):
             s = m.var(0.0, integer=False)
             terms_s: dict[int, float] = {one: -1.0}
             for side in (fwd, bwd):
