@@ -230,6 +230,25 @@ MIP over the 58,612 columns that reduced-cost fixing leaves stays at its root no
 Branching on the most fractional (four interior-point LPs of 8.4-10 s: each of its three live
 choices, and the rest) raises the bound only to 1.68251 (0.28%): the relaxation is weak over
 several groups at once, so neither strong branching nor more of HiGHS's cuts reaches 1%.
+
+Stop 41 (``--modes warm --gap 0.01``; this 2-core machine ran ~1.5x slower than on stop 40
+all session, so only same-hour figures compare). The schedule objective's drain
+(``plan/objective.py``), its rows written into the interior-point LP, took the 32-layer LP
+(its MPS, one thread) from 39 to 52 iterations, 11.6 to 19.5 s (the planner's solve 5.8-6.1 ->
+8.0-8.9 s, also with the rows as running sums); left out of the LP (a relaxation: d >= 0 only
+adds), 32 layers 14.5-15.0 -> 13.5-13.7 s (solve 4.8-5.6 s), the same plan (316.4 ms a step,
+gap 0.03%). The same model's MPS, written by two runs, held its rows in two orders (the saved
+moves' placements came out of a set, and ``Partial`` hashes by a string, so by the hash seed:
+``ilp._saved_moves`` now keeps the forward readers' order, ``tests/plan/test_determinism.py``);
+one order's LP (one thread) stopped "unknown" after 38 iterations in 11.2 s, the other
+"optimal" after 39 in 10.5 s, and the fixed order stops "unknown" after 40 in 11.1 s, its
+point and duals valid, the dual a little off its tolerance. The planner had taken "unknown" for
+no LP and solved it again at HiGHS's own tolerance (one such run: 13.5 s, then 15.9 s more); it
+now takes the bound such a point gives (``solver.LpRun.result``: the same 350,805 us). Later
+the same day (the machine's speed varied more than the change): 32 layers 15.9-20.6 s (solve
+6.6-8.5 s), 2 layers 16.6-17.5 s (solve 11.7-12.7 s), the same plans and gaps. 70B: 86.1 s
+(solve 61.1 s, at its time limit), gap 3.41% -> 2.77%, the same plan returned (fsdp_tp, 1.661
+s).
 """
 
 from __future__ import annotations
