@@ -14,9 +14,12 @@ and, with ``--compile``, each again compiled (``+compile``): shardwise's per-ran
 graph at the gradient buckets). Compilation happens in the warmup steps.
 
 Each runs ``--warmup`` untimed steps then ``--steps`` timed ones and prints tokens/s (global batch
-tokens over the median step time of the slower rank, the best of ``--rounds`` rounds that
-interleave the four loops) and its last loss (all four must agree); for each shardwise loop and
-PyTorch's, the ratio of the best rounds and the median and range of the ratios round by round.
+tokens over the median step time, per step the slower rank's, the best of ``--rounds`` rounds)
+and its last loss (all four must agree). A shardwise loop and its PyTorch counterpart run in one
+pair of processes, step by step in turn (the order alternating), so that a machine whose speed
+drifts (this 2-core one swings 10-30% from minute to minute) slows both alike: for each pair,
+the ratio of the best rounds, and the median of the step-by-step ratios (each step's time over
+its partner's, the median of each round's) with its range over the rounds.
 Two models: llama-tiny (hidden 64), whose CPU step is mostly per-op overhead, and llama-small
 (hidden 256), whose step is mostly arithmetic.
 
@@ -95,77 +98,100 @@ def _now() -> tuple[float, float]:
     return time.perf_counter(), time.thread_time()
 
 
-def _speed_worker(rank: int, world: int, port: int, mode: str, args, results) -> None:
-    from shardwise.train.data import SyntheticSource, global_batch
+class _Loop:
+    """One training loop of ``mode`` on this rank: its model, optimizer and inputs."""
 
-    _join(rank, world, port)
-    module, spec = _build(args)
-    source = SyntheticSource(spec.vocab_size, 0)
-    per = args.batch // world
-    loop, compiled = mode.removesuffix(COMPILED), mode.endswith(COMPILED)
-    if loop.startswith("shardwise"):
-        from shardwise.train import meta_inputs, parallelize
+    def __init__(self, mode: str, rank: int, world: int, args) -> None:
+        from shardwise.train.data import SyntheticSource, global_batch
 
-        example = meta_inputs(spec)
-        # The bucket pass groups the gradient reductions, as DDP and FSDP2 do.
-        model = parallelize(module, "2", example, plan=loop.split("-")[1], passes=("bucket",),
-                            time_limit_s=60, compile=compiled)
+        module, spec = _build(args)
+        source = SyntheticSource(spec.vocab_size, 0)
+        per = args.batch // world
+        self.mode = mode
+        loop, compiled = mode.removesuffix(COMPILED), mode.endswith(COMPILED)
+        self.torch = not loop.startswith("shardwise")
+        if not self.torch:
+            from shardwise.train import meta_inputs, parallelize
 
-        def step_inputs(step):
-            return model.shard_inputs(*global_batch(source, step, args.batch, args.seq))
-    else:
-        if loop == "torch-ddp":
-            from torch.nn.parallel import DistributedDataParallel
+            example = meta_inputs(spec)
+            # The bucket pass groups the gradient reductions, as DDP and FSDP2 do.
+            model = parallelize(module, "2", example, plan=loop.split("-")[1], passes=("bucket",),
+                                time_limit_s=60, compile=compiled)
 
-            model = DistributedDataParallel(module)
-            model = torch.compile(model) if compiled else model
+            def step_inputs(step):
+                return model.shard_inputs(*global_batch(source, step, args.batch, args.seq))
         else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            if loop == "torch-ddp":
+                from torch.nn.parallel import DistributedDataParallel
 
-            mesh = init_device_mesh("cpu", (world,))
-            for layer in module.layers:
-                if compiled:
-                    layer.compile()
-                fully_shard(layer, mesh=mesh)
-            model = fully_shard(module, mesh=mesh)
+                model = DistributedDataParallel(module)
+                model = torch.compile(model) if compiled else model
+            else:
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.fsdp import fully_shard
 
-        def step_inputs(step):
-            tokens, labels = global_batch(source, step, args.batch, args.seq)
-            return tokens[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per]
-    # The same for every loop; fused is torchtitan's default AdamW implementation.
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, **{args.optimizer: True})
-    times, loss = [], None
-    # Per phase, the wall and this thread's CPU seconds of each timed step (``--phases``).
-    phases: dict[str, list[tuple[float, float]]] = {name: [] for name in PHASES}
-    for step in range(args.warmup + args.steps):
+                mesh = init_device_mesh("cpu", (world,))
+                for layer in module.layers:
+                    if compiled:
+                        layer.compile()
+                    fully_shard(layer, mesh=mesh)
+                model = fully_shard(module, mesh=mesh)
+
+            def step_inputs(step):
+                tokens, labels = global_batch(source, step, args.batch, args.seq)
+                return tokens[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per]
+        self.model, self.step_inputs = model, step_inputs
+        # The same for every loop; fused is torchtitan's default AdamW implementation.
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, **{args.optimizer: True})
+        self.loss = None
+
+    def step(self, step: int) -> list[tuple[float, float]]:
+        """One training step; the (wall, CPU) seconds at each phase's end, from its start."""
         dist.barrier()
         marks = [_now()]
-        inputs = step_inputs(step)
+        inputs = self.step_inputs(step)
         marks.append(_now())
-        loss = model(*inputs)
+        self.loss = self.model(*inputs)
         marks.append(_now())
-        loss.backward()
+        self.loss.backward()
         marks.append(_now())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
         marks.append(_now())
-        opt.step()
+        self.opt.step()
         marks.append(_now())
-        opt.zero_grad()
+        self.opt.zero_grad()
         marks.append(_now())
-        times.append(marks[-1][0] - marks[0][0])
-        if step >= args.warmup:
-            for name, (w0, c0), (w1, c1) in zip(PHASES, marks[:-1], marks[1:], strict=True):
-                phases[name].append((w1 - w0, c1 - c0))
-    # DDP and FSDP2 losses are this rank's half of the batch: average them over the ranks.
-    if loop.startswith("torch"):
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        loss /= world
-    # The median step: one step stalled by another process on a shared machine does not count.
-    per_phase = {name: tuple(statistics.median(x) for x in zip(*v, strict=True))
-                 for name, v in phases.items()}
-    results[(mode, rank)] = (statistics.median(times[args.warmup:]), loss.item(), per_phase)
+        return marks
+
+    def last_loss(self, world: int) -> float:
+        # DDP and FSDP2 losses are this rank's half of the batch: average them over the ranks.
+        loss = self.loss.detach().clone()
+        if self.torch:
+            dist.all_reduce(loss)
+            loss /= world
+        return loss.item()
+
+
+def _speed_worker(rank: int, world: int, port: int, modes: tuple[str, ...], args, results) -> None:
+    """Runs ``modes`` step by step, each in turn (the order alternating from step to step), so
+    that a machine whose speed drifts slows them alike."""
+    _join(rank, world, port)
+    loops = [_Loop(mode, rank, world, args) for mode in modes]
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    # Per phase, the wall and this thread's CPU seconds of each timed step (``--phases``).
+    phases = {mode: {name: [] for name in PHASES} for mode in modes}
+    for step in range(args.warmup + args.steps):
+        for loop in (loops if step % 2 == 0 else loops[::-1]):
+            marks = loop.step(step)
+            times[loop.mode].append(marks[-1][0] - marks[0][0])
+            if step >= args.warmup:
+                for name, (w0, c0), (w1, c1) in zip(PHASES, marks[:-1], marks[1:], strict=True):
+                    phases[loop.mode][name].append((w1 - w0, c1 - c0))
+    for loop in loops:
+        # The median step: one step stalled by another process on a shared machine does not count.
+        per_phase = {name: tuple(statistics.median(x) for x in zip(*v, strict=True))
+                     for name, v in phases[loop.mode].items()}
+        results[(loop.mode, rank)] = (times[loop.mode][args.warmup:], loop.last_loss(world), per_phase)
     dist.destroy_process_group()
 
 
@@ -186,39 +212,56 @@ def _memory_worker(rank: int, world: int, port: int, args, results) -> None:
     dist.destroy_process_group()
 
 
+def _pairs(modes: list[str], compiled: bool) -> list[tuple[str, str]]:
+    """(shardwise loop, PyTorch loop) pairs among ``modes``."""
+    pairs = [("shardwise-fsdp", "torch-fsdp2"), ("shardwise-ddp", "torch-ddp")]
+    if compiled:
+        pairs += [(a + COMPILED, b + c) for a, b in pairs[:2] for c in ("", COMPILED)]
+    return [pair for pair in pairs if set(pair) <= set(modes)]
+
+
 def speed(args) -> None:
     print(f"\n{args.model}, {args.layers} layers, batch {args.batch} x {args.seq}, fp32, 2 gloo ranks, "
           f"{args.steps} timed steps after {args.warmup}, best of {args.rounds} rounds")
     print(f"{'loop':<24} {'step_ms':>9} {'tokens/s':>10} {'last_loss':>10}")
-    # Each loop's step time in every round (the slower rank's median step).
-    steps: dict[str, list[float]] = {}
+    modes = [*args.loops, *(m + COMPILED for m in args.loops if args.compile)]
+    pairs = _pairs(modes, args.compile)
+    # Each pair runs in one pair of processes, step by step in turn; a loop in no pair alone (a
+    # compiled shardwise loop is paired with the eager PyTorch one only in the ratios below).
+    runs = [pair for pair in pairs if pair[0].endswith(COMPILED) == pair[1].endswith(COMPILED)]
+    runs = [run for i, run in enumerate(runs) if not set(run) & {m for r in runs[:i] for m in r}]
+    runs += [(m,) for m in modes if not any(m in run for run in runs)]
+    # Each loop's step times in every round (per step, the slower rank's).
+    steps: dict[str, list[list[float]]] = {}
     losses: dict[str, float] = {}
     best_phases: dict[str, dict[str, tuple[float, float]]] = {}
-    modes = [*args.loops, *(m + COMPILED for m in args.loops if args.compile)]
-    # Rounds interleave the loops, so a load that drifts on a shared machine touches them all.
+    # Rounds repeat the runs, so a load that drifts on a shared machine touches them all.
     for _ in range(args.rounds):
-        for mode in modes:
+        for run in runs:
             results = mp.Manager().dict()
-            mp.spawn(_speed_worker, args=(2, _free_port(), mode, args, results), nprocs=2, join=True)
-            slower = max(range(2), key=lambda r: results[(mode, r)][0])
-            step_s, losses[mode], per_phase = results[(mode, slower)]
-            if step_s < min(steps.get(mode, [math.inf])):
-                best_phases[mode] = per_phase
-            steps.setdefault(mode, []).append(step_s)
+            mp.spawn(_speed_worker, args=(2, _free_port(), run, args, results), nprocs=2, join=True)
+            for mode in run:
+                per_step = [max(ts) for ts in zip(results[(mode, 0)][0], results[(mode, 1)][0], strict=True)]
+                slower = max(range(2), key=lambda r: statistics.median(results[(mode, r)][0]))
+                _, losses[mode], per_phase = results[(mode, slower)]
+                if statistics.median(per_step) < min(map(statistics.median, steps.get(mode, [[math.inf]]))):
+                    best_phases[mode] = per_phase
+                steps.setdefault(mode, []).append(per_step)
     rows = {}
     for mode in modes:
-        best = min(steps[mode])
+        best = min(map(statistics.median, steps[mode]))
         rows[mode] = args.batch * args.seq / best
         print(f"{mode:<24} {best * 1e3:>9.1f} {rows[mode]:>10,.0f} {losses[mode]:>10.4f}")
-    pairs = [("shardwise-fsdp", "torch-fsdp2"), ("shardwise-ddp", "torch-ddp")]
-    if args.compile:
-        pairs += [(a + COMPILED, b + c) for a, b in pairs[:2] for c in ("", COMPILED)]
-    for ours, theirs in (pair for pair in pairs if set(pair) <= set(modes)):
-        # The two loops of one round ran minutes apart at most: their ratio per round shows how
-        # far the machine's drift moves the comparison, which the best-of-rounds ratio hides.
-        per_round = sorted(t / o for o, t in zip(steps[ours], steps[theirs], strict=True))
-        print(f"{ours} / {theirs}: {rows[ours] / rows[theirs]:.2f}x tokens/s (best of rounds); per round "
-              f"median {statistics.median(per_round):.2f}x, {per_round[0]:.2f}-{per_round[-1]:.2f}x")
+    for ours, theirs in pairs:
+        line = f"{ours} / {theirs}: {rows[ours] / rows[theirs]:.2f}x tokens/s (best of rounds)"
+        if any(ours in run and theirs in run for run in runs):
+            # Step by step in one pair of processes: the ratio of each step to its partner's,
+            # the median of each round's, their median and range.
+            per_round = sorted(statistics.median(t / o for o, t in zip(so, st, strict=True))
+                               for so, st in zip(steps[ours], steps[theirs], strict=True))
+            line += (f"; step by step, median {statistics.median(per_round):.2f}x "
+                     f"(rounds {per_round[0]:.2f}-{per_round[-1]:.2f}x)")
+        print(line)
     if args.phases:
         _print_phases(modes, best_phases)
 
