@@ -208,3 +208,21 @@ def test_the_bound_of_the_row_scaled_lp_is_the_lp_optimum_of_the_rows_as_written
     assert got.bound == pytest.approx(2e6, rel=1e-6)
     assert got.primal[x2] == pytest.approx(0.5, abs=1e-6) and got.primal[w] == pytest.approx(2e6, rel=1e-6)
     assert solver.violated_rows(m, np.round(got.primal, 6)) == 0
+
+
+def test_the_part_the_lp_leaves_out_lowers_its_bound_and_the_solve_prices_it():
+    """``Model.relaxed_from``: the interior point solves the model without its last columns
+    (at least 0, in the cost) and the rows that read them, a relaxation whose bound holds; the
+    point it returns covers the whole model, and the solve from it prices the part left out."""
+    m = solver.Model()
+    x1, x2 = m.var(1.0), m.var(2.0)
+    m.row(1.0, 1.0, {x1: 1.0, x2: 1.0})
+    m.relaxed_from = (len(m.cost), len(m.row_lb))
+    d = m.var(1.0, ub=np.inf, integer=False)
+    m.at_least(d, [{x1: 5.0}])  # x1 costs 1 + 5, x2 costs 2: the optimum is x2
+    got = solver.LpRun(m, 1.0, TIME_LIMIT_S, background=False).result()
+    assert got.bound == pytest.approx(1.0, abs=1e-6)  # x1 alone, the drain left out
+    assert len(got.primal) == len(m.cost) and got.primal[d] == 0.0
+    solved = solver.solve_by_lp_bound(m, 1.0, TIME_LIMIT_S, None)
+    assert solved.objective == pytest.approx(2.0, abs=1e-6)
+    assert solved.solution[x2] == pytest.approx(1.0) and solved.bound <= solved.objective + 1e-9
