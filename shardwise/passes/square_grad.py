@@ -14,7 +14,8 @@ writes in place and it is no graph output (the copy may not become an alias of `
 
 Safety: the result is the same bit for bit. Scaling by a power of two commutes with rounding
 (no overflow or gradual underflow: a gradient 2**100 times smaller than float32's smallest
-normal number is not a training run), so ``x * (2 * (m / n))`` rounds as ``(2 * x) * (m / n)``;
+normal number is not a training run), so ``s = m / (n / 2)`` is ``2 * (m / n)`` exactly (so too
+where ATen divides by multiplying with the reciprocal) and ``x * s`` rounds as ``(2 * x) * (m / n)``;
 only the multiplier 2.0 (or any power of two) is moved, the division by ``n`` stays as it was.
 Each removed node must be read only inside the pattern; all tensors share one floating dtype
 (no type promotion in between); ``m`` broadcasts to ``x``'s shape and the product has it.
