@@ -60,16 +60,17 @@ def _is_identity_pow(node: object) -> bool:
     return is_op(node, aten.pow.Tensor_Scalar) and len(node.args) == 2 and node.args[1] == 1
 
 
+def _finite_number(c: object) -> bool:
+    return isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+
+
 def _power_of_two(c: object) -> bool:
-    if not isinstance(c, (int, float)) or isinstance(c, bool) or c <= 0 or not math.isfinite(c):
-        return False
-    return math.frexp(c)[0] == 0.5
+    return _finite_number(c) and c > 0 and math.frexp(c)[0] == 0.5
 
 
 def _one_float_dtype(*nodes: fx.Node) -> bool:
     dtypes = {getattr(fake_value(n), "dtype", None) for n in nodes}
-    return len(dtypes) == 1 and next(iter(dtypes)) in (torch.float32, torch.float64, torch.bfloat16,
-                                                       torch.float16)
+    return len(dtypes) == 1 and None not in dtypes and next(iter(dtypes)).is_floating_point
 
 
 def _match(pw: fx.Node) -> SquareGrad | None:
@@ -82,7 +83,7 @@ def _match(pw: fx.Node) -> SquareGrad | None:
     if g is None or g is t or single_user(g) is not y or not is_op(g, aten.div.Scalar) or len(g.args) != 2:
         return None
     n, expand = g.args[1], arg_node(g)
-    if not isinstance(n, (int, float)) or isinstance(n, bool) or n == 0 or not math.isfinite(n):
+    if not _finite_number(n) or n == 0:
         return None
     if not is_op(expand, aten.expand.default) or single_user(expand) is not g:
         return None
