@@ -137,7 +137,14 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.passes.pipeline import canonicalize
     from shardwise.passes.remat import policy_name
     from shardwise.runtime.counter import as_json
-    from shardwise.runtime.launch import RunError, _check_backend, check_tolerance, run_many
+    from shardwise.runtime.launch import (
+        RunError,
+        _check_backend,
+        check_tolerance,
+        run_many,
+        start_forkserver,
+        under_torchrun,
+    )
     from shardwise.runtime.launch import run as run_program
 
     t0 = time.perf_counter()
@@ -158,6 +165,8 @@ def run(args: argparse.Namespace) -> dict:
 
         recorded = simplify_policy(plan.ac.layer_policies())  # the plan's choice, per layer
         ac = None if recorded is ACPolicy.NONE else recorded
+    if not under_torchrun():
+        start_forkserver()  # its imports run on the other core while this one lowers
     program = lower(traced, plan)
     program.model = spec
     rewrites = program.apply_passes(passes)
