@@ -114,7 +114,12 @@ on the inner dim exposed (above): 2 layers, the auto plan 53.68 against 47.92 ms
 fsdp_tp 1.054, fsdp_tp_sp 1.041; 32 layers, 350.9 against 321.4 ms (1.092). One stream per
 mesh dim instead (rows w[b] >= a dim's hidden and exposed terms less all exposed ones) was
 tried again and not kept: it prices too little, the schedule's stalls behind chains unseen
-(2 layers: 47.33 against a 51.05 ms plan; 32 layers: 262.3 against a 350.5 ms plan).
+(2 layers: 47.33 against a 51.05 ms plan; 32 layers: 262.3 against a 350.5 ms plan). Nor
+one stream per mesh dim for the hidden terms alone (w[b] >= each dim's hidden terms, the
+exposed ones behind the busiest; stop 42, ``benchmarks/objective_terms.py``, 2 layers): the
+auto plan's objective came within 1% of its schedule (51.24 against 51.69 ms), but the plan
+itself got 8% slower (47.84 -> 51.69 ms), and the hand plans' free choices too (fsdp_tp 55.83
+-> 61.60 ms, fsdp_tp_sp 55.02 -> 60.47 ms).
 
 Since the tensor-parallel hand plans gather a column-parallel weight's tp shard over dp
 (``baselines._fsdp_of_tp_shard``), both errors show on llama3-70b, 8 layers over 8x8 at seq 4096
