@@ -249,6 +249,17 @@ the same day (the machine's speed varied more than the change): 32 layers 15.9-2
 6.6-8.5 s), 2 layers 16.6-17.5 s (solve 11.7-12.7 s), the same plans and gaps. 70B: 86.1 s
 (solve 61.1 s, at its time limit), gap 3.41% -> 2.77%, the same plan returned (fsdp_tp, 1.661
 s).
+
+Stop 42 (``--cases llama3-8b:2 --modes warm --gap 0.01``): 12.6 s (trace 0.49, strategies 0.32,
+build 1.47, solve 7.82, hand plans 2.25), the same plan (47.8 ms) and gap (0.30%). The LP alone
+(its MPS, ipx to 1e-5, one thread, 86,385 columns, 15,524 rows, 235,273 nonzeros; presolve
+removes 2%) takes 46 iterations in 8.6-10 s; tried on it, none kept: ``ipm_optimality_tolerance``
+1e-4 or 1e-3 in the planner (the same bound, 8.3 and 7.9 s solves against 7.8: ipx does not stop
+sooner), HiGHS's objective scaling (2^-2 .. 2^-10: 8.4-8.9 s), HiPO (not in highspy 1.16
+without its extras: it falls back to simplex). Of the deciding representatives' 3,308
+strategies, 378 (11%) are dominated by another of the same node (compute, every move in and
+out, the output's bytes all no dearer; ``llama-tiny`` over 2x2: 371 of 3,413): pruning them
+exactly would keep at most that share of the columns out, far from the 3x the 5 s needs.
 """
 
 from __future__ import annotations
