@@ -256,10 +256,14 @@ build 1.47, solve 7.82, hand plans 2.25), the same plan (47.8 ms) and gap (0.30%
 removes 2%) takes 46 iterations in 8.6-10 s; tried on it, none kept: ``ipm_optimality_tolerance``
 1e-4 or 1e-3 in the planner (the same bound, 8.3 and 7.9 s solves against 7.8: ipx does not stop
 sooner), HiGHS's objective scaling (2^-2 .. 2^-10: 8.4-8.9 s), HiPO (not in highspy 1.16
-without its extras: it falls back to simplex). Of the deciding representatives' 3,308
-strategies, 378 (11%) are dominated by another of the same node (compute, every move in and
-out, the output's bytes all no dearer; ``llama-tiny`` over 2x2: 371 of 3,413): pruning them
-exactly would keep at most that share of the columns out, far from the 3x the 5 s needs.
+without its extras: it falls back to simplex). Pruning dominated strategies (item 4): of the
+deciding representatives' 3,308 strategies, 378 are no dearer than another of the same node in
+compute, in every move in and out edge by edge and in bytes. But a value moved to a placement
+serves all its readers (the ILP pays the move once), so edge by edge is not a proof: without
+the 285 of them on nodes no other node follows, the LP took 8.0-8.2 s instead of 9.8-10.0 s
+with the same bound, while on ``llama-tiny`` over 2x2 the bound rose from 708.13 to 727.92 us
+(a pruned strategy was in the optimum). Held to reading every shared input in its
+dominator's placement, 16 strategies remain prunable (86,386 -> 86,258 columns): nothing.
 """
 
 from __future__ import annotations
