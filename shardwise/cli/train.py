@@ -155,12 +155,19 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _plan_here(args: argparse.Namespace, job):
-    from shardwise.cli.run import make_plan_for
+    from shardwise.cli.run import PLAN_CHOICES, make_plan_for
+    from shardwise.plan.baselines import baseline_refusal
+    from shardwise.runtime.launch import start_forkserver
     from shardwise.train.models import meta_inputs
     from shardwise.train.module import _trace
 
     model, spec = job.build(meta=True)
     traced = _trace(model, meta_inputs(spec), train=True, model_name=args.model)
+    # The ranks' forkserver imports on the other core while the plan is solved; not for a plan
+    # that is refused at once (the server would hold stderr, the error's, until its imports end).
+    named = args.plan in PLAN_CHOICES
+    if named and (args.plan == "auto" or baseline_refusal(args.plan, traced, job.mesh) is None):
+        start_forkserver()
     return make_plan_for(args.plan, traced, job.mesh, args.model, True, time_limit_s=args.time_limit)
 
 
