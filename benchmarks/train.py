@@ -58,6 +58,8 @@ COMPILED = "+compile"  # the suffix of a loop run through torch.compile
 PHASES = ("inputs", "model", "backward", "clip", "optimizer", "zero_grad")
 # llama-tiny's step is per-op overhead (hidden 64); llama-small's is arithmetic (hidden 256).
 DEFAULT_CASES = ("llama-tiny:8x128", "llama-small:8x256")
+# AdamW's learning rate and the gradient-norm clip, the same for every loop.
+LR, CLIP = 3e-3, 1.0
 
 
 def _parse_case(text: str) -> tuple[str, int, int]:
@@ -66,7 +68,6 @@ def _parse_case(text: str) -> tuple[str, int, int]:
     if not model or batch % 2 or batch <= 0 or seq <= 0:
         raise ValueError(text)
     return model, batch, seq
-LR, CLIP = 3e-3, 1.0
 
 
 def _free_port() -> int:

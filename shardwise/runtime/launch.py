@@ -526,7 +526,7 @@ def start_forkserver() -> None:
     process that has imported ``WORKER_IMPORTS`` once (forking this process instead, with its
     threads of HiGHS, OpenMP, a store server..., can leave a child blocked forever on a lock some
     thread held at the fork). ``shardwise run`` calls it once its plan is made, ``shardwise
-    train`` once its plan is known to apply, so that those imports (~2.5 s of CPU) run on
+    train`` once its plan is known to apply, so that those imports (~2 s of CPU) run on
     another core while it lowers the program or solves the plan, not after: llama-tiny over 2x2,
     ``run`` (fsdp_tp_sp, --check) 10.0 -> 8.0 s, ``train --plan auto --steps 5`` 28.7-33.9 ->
     25.9-26.0 s. Not sooner: the server holds the command's stdout and stderr until its imports
