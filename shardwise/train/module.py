@@ -59,6 +59,7 @@ from shardwise.plan.plan import Plan
 from shardwise.runtime import wire
 from shardwise.runtime.bindings import direct_calls
 from shardwise.runtime.heap import retain_freed_memory
+from shardwise.runtime.inference import without_autograd
 from shardwise.runtime.launch import import_graph_ops, real_constants, retarget_device
 from shardwise.runtime.wire import WireGraph
 
@@ -438,12 +439,13 @@ class ParallelModule(nn.Module):
         gm = program.gm
         # Inductor fuses the program's elementwise chains into kernels; it compiles on the first
         # call (then from its cache on disk). Eagerly, each op is called through PyTorch's own
-        # binding, a cheaper call than its OpOverload (runtime/bindings.py). Dropout masks are
+        # binding, a cheaper call than its OpOverload (runtime/bindings.py), under inference mode
+        # where autograd records nothing (runtime/inference.py). Dropout masks are
         # drawn by PyTorch's own kernels when compiled too (Inductor's generator draws other
         # numbers than one process's eager step).
         draws = any(draws_random(n) for n in gm.graph.nodes)
         run = (torch.compile(gm, fullgraph=True, dynamic=False, options={"fallback_random": draws})
-               if compiled else direct_calls(gm))
+               if compiled else without_autograd(direct_calls(gm)))
         lays = program.param_layouts()
         names = list(traced.params)
         for k in names:

@@ -270,6 +270,17 @@ def test_gradients_reach_every_way_autograd_hands_them_out(one_process_group):
     (2.0 * pm(*step)).backward()  # accumulated, and scaled by the loss's incoming gradient
     for k, p in params.items():
         assert torch.allclose(p.grad.full_tensor(), 3.0 * want[k].full_tensor(), rtol=1e-6), k
+    # The gradients take in-place updates: clipping scales them, an optimizer working on the local
+    # shards writes those, zero_grad zeroes them.
+    norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), 1e-3)
+    assert norm > 1e-3
+    clipped = torch.cat([p.grad.full_tensor().flatten() for p in params.values()])
+    assert torch.allclose(clipped.norm(), torch.tensor(1e-3), rtol=1e-3)
+    for p in params.values():
+        p.grad.to_local().mul_(2.0)
+    assert torch.allclose(torch.cat([p.grad.full_tensor().flatten() for p in params.values()]), 2.0 * clipped)
+    pm.zero_grad(set_to_none=False)
+    assert all(not p.grad.full_tensor().any() for p in params.values())
 
     pm.zero_grad()
     hooked, only = params["wte.weight"], params["h.0.fc.weight"]
