@@ -3,10 +3,12 @@
 A training step's program computes its gradients itself (the joint graph), so autograd has
 nothing to record while it runs: ``parallelize``'s step runs it inside an ``autograd.Function``,
 under no-grad. But no-grad still gives every tensor an op makes a version counter and tracks its
-views; inference mode skips both. llama-tiny's traced step (4 layers, 4 x 128, 969 nodes, one
-thread) took 18.8 ms a call against 19.8 under no-grad; inside its ddp step on two gloo ranks,
-switching mode from step to step within one run, 0.55-1.07 ms less CPU of 18.7-19.9 ms (the
-forward-and-backward phase, the median of 95 steps each way, three runs).
+views; inference mode skips both. ``benchmarks/bindings.py`` (one thread, 4 layers, 4 x 128):
+llama-tiny's traced step 17.63 -> 16.97 and 18.89 -> 18.10 ms a call (two runs), llama-small's,
+whose time is arithmetic, the same within noise (150.62 -> 149.87, 152.70 -> 152.44 ms).
+Inside llama-tiny's ddp step on two gloo ranks, switching mode from step to step within one run,
+0.55-1.07 ms less CPU of 18.7-19.9 ms (the forward-and-backward phase, the median of 95 steps
+each way, three runs).
 
 Safety: the values are the same (the same kernels run). Inference tensors refuse in-place updates
 outside inference mode. ``clip_grad_norm_`` and ``zero_grad`` reach a gradient's shard through
