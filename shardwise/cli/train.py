@@ -3,7 +3,8 @@
 Pipeline: check the options and files -> trace the model on fake tensors and plan it (``auto``, a
 baseline or a plan file) here, once -> start one process per rank (or, under ``torchrun``, be one:
 rank 0 then plans and shares its plan) -> every rank builds the model on meta, ``parallelize``s it
-with the plan, initialises its shards from ``--seed`` (or resumes from ``--resume``) and trains
+with the plan, initialises its shards from ``--seed`` (or reads them from the safetensors
+weights ``--init-from`` names, or resumes from ``--resume``) and trains
 ``--steps`` with AdamW, warmup + cosine LR and gradient clipping, reading only its slice of each
 batch -> ``--check`` trains the same steps in one process in fp32 meanwhile and compares curves.
 
@@ -63,6 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-dir", default=None, help="where checkpoints, metrics.jsonl and loss.png go")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
     p.add_argument("--resume", default=None, help="continue from the newest checkpoint in this dir")
+    p.add_argument("--init-from", default=None,
+                   help="start from these weights: a .safetensors file, or a directory transformers' "
+                   "save_pretrained or shardwise export wrote (default: random weights from --seed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
     add_check_options(p, "compare the loss curve with the same steps in one fp32 process")
     p.add_argument("--compile", action="store_true",
@@ -90,7 +94,7 @@ def _checked_options(args: argparse.Namespace):
         existing_file(args.tokenizer, "tokenizer file")
     opts = TrainOptions(steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
                         clip=args.clip, seed=args.seed, save_dir=args.save_dir, save_every=args.save_every,
-                        resume=args.resume, stop_at=args.stop_at)
+                        resume=args.resume, stop_at=args.stop_at, init_from=args.init_from)
     opts.check()
     return opts
 
@@ -139,6 +143,12 @@ def run(args: argparse.Namespace) -> dict:
         if meta.step >= opts.last_step:
             raise UserError(f"the checkpoint is at step {meta.step}, already past --steps "
                             f"{opts.last_step}; raise --steps to train on.")
+    if opts.init_from:  # refused here, not in every rank, where they are not this model's weights
+        from shardwise.train.weights import Pretrained, aliases, stored_prefix
+
+        module = job.build(meta=True)[0]
+        Pretrained(opts.init_from, stored_prefix(module), aliases(module)).check(
+            [(k, p.shape) for k, p in module.named_parameters()])
     # The data last: a tokenized copy is the first thing written (never next to a refused run).
     # Under torchrun every process tokenizes into its own temporary dir (no two write one file).
     job.source = _source(args, spec, None if under_torchrun() else opts.save_dir)
@@ -233,7 +243,8 @@ def _finish(args: argparse.Namespace, job, res: dict, ref: list[float] | None, c
     out = {"world_size": job.mesh.size, "mesh": list(job.mesh.shape), "mesh_names": list(job.mesh.names),
            "plan": args.plan if args.plan in PLAN_CHOICES else res["plan"], "model": args.model, "ac": job.ac,
            "compile": job.compile, "batch": job.batch, "grad_accum": job.grad_accum,
-           "data": job.source.describe(), **res, "wall_s": round(time.perf_counter() - t0, 3)}
+           "data": job.source.describe(), "init_from": job.options.init_from, **res,
+           "wall_s": round(time.perf_counter() - t0, 3)}
     if ref is not None:
         out["reference_losses"] = ref
         out["max_rel_diff"] = max((abs(a - b) / abs(b) for a, b in zip(res["losses"], ref, strict=True)),

@@ -79,7 +79,7 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
                      ac=job.ac, compile=job.compile)
     opts = job.options
     opt, sched = make_optimizer(pm.parameters(), opts)
-    first = _start(job, pm, opt, sched, pm.init_weights)
+    first = _start(job, pm, opt, sched, pm.init_weights, pm.load_weights)
     layouts = pm.input_layouts()
     coord = pm.coordinate()
     device = torch.device(pm.device_mesh.device_type)
@@ -118,15 +118,20 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
     return _summary(res, pm.plan.name) if is_rank0() else {}
 
 
-def _start(job: TrainJob, module, optimizer, scheduler, init_weights: Callable[[int], None]) -> int:
-    """Resume from the job's checkpoint (its step) or initialise the weights (step 0). Every rank
-    and the reference seed PyTorch's generator alike first: a model's dropout masks are drawn
-    from it, the same numbers on every rank and in one process (``plan/strategies.py``); a
-    checkpoint then restores the state it saved."""
+def _start(job: TrainJob, module, optimizer, scheduler, init_weights: Callable[[int], None],
+           load_weights: Callable[[str], None]) -> int:
+    """Resume from the job's checkpoint (its step), or start (step 0) from the weights
+    ``--init-from`` names or from ``init_weights``. Every rank and the reference seed PyTorch's
+    generator alike first: a model's dropout masks are drawn from it, the same numbers on every
+    rank and in one process (``plan/strategies.py``); a checkpoint then restores the state it
+    saved."""
     torch.manual_seed(job.options.seed)
     if job.options.resume:
         return checkpoint.load(job.options.resume, module, optimizer, scheduler, job.model).step
-    init_weights(job.options.seed)
+    if job.options.init_from:
+        load_weights(job.options.init_from)
+    else:
+        init_weights(job.options.seed)
     return 0
 
 
@@ -144,6 +149,7 @@ def _summary(res: TrainResult, plan_name: str) -> dict:
 def reference(job: TrainJob) -> list[float]:
     """The same steps in this process, fp32, from the same weights (or checkpoint) and data."""
     from shardwise.train.module import init_state_dict
+    from shardwise.train.weights import Pretrained, aliases, stored_prefix
 
     if dist.is_initialized() and dist.get_backend() == "fake":
         destroy_world()  # the planner's; DCP must see a single process
@@ -157,7 +163,11 @@ def reference(job: TrainJob) -> list[float]:
         for k, v in init_state_dict(shapes, seed).items():
             module.get_parameter(k).copy_(v)
 
-    first = _start(job, module, opt, sched, init_weights)
+    def load_weights(path: str) -> None:
+        pieces = [(k, p, p.shape, None) for k, p in module.named_parameters()]
+        Pretrained(path, stored_prefix(module), aliases(module)).fill(pieces)
+
+    first = _start(job, module, opt, sched, init_weights, load_weights)
 
     def step_fn(step: int) -> torch.Tensor:
         loss = module(*global_batch(job.source, step, job.batch, job.seq))

@@ -22,10 +22,12 @@ the inference program (planned on first use with the parameters fixed where trai
 and returns DTensor outputs.
 
 Weights: a model with real weights is cut into its shards (each rank keeps only its own); a
-model on the meta device gets NaN-filled shards until ``init_weights(seed)`` or a checkpoint
-fills them (the first step refuses NaN weights). ``init_weights`` draws each parameter from a
-generator keyed by (seed, name, row block), so the weights do not depend on the mesh or plan and
-no rank ever materialises more than one block of a tensor it does not hold.
+model on the meta device gets NaN-filled shards until ``init_weights(seed)``, a checkpoint or
+``load_weights(path)`` (safetensors weights, each rank reading only its pieces:
+``train/weights.py``) fills them (the first step refuses NaN weights). ``init_weights`` draws
+each parameter from a generator keyed by (seed, name, row block), so the weights do not depend
+on the mesh or plan and no rank ever materialises more than one block of a tensor it does not
+hold.
 """
 
 from __future__ import annotations
@@ -524,6 +526,18 @@ class ParallelModule(nn.Module):
         for name, p in self._state["traced_model"].named_parameters():
             lay = lays[name]
             fill_init(p.to_local(), self._user_name(name), lay.shape, seed, lay.index(coord))
+
+    def load_weights(self, path: str | Path) -> None:
+        """Fill every parameter's shard from the safetensors weights at ``path``
+        (``train/weights.py``: a file, or a ``save_pretrained`` directory), each rank reading
+        only its own pieces."""
+        from shardwise.train.weights import Pretrained, aliases, stored_prefix
+
+        lays = self._train_prog.program.param_layouts()
+        coord = self._train_prog.program.coordinate(dist.get_rank())
+        Pretrained(path, stored_prefix(self._state["model"]), aliases(self)).fill(
+            [(self._user_name(k), p.to_local(), lays[k].shape, lays[k].index(coord))
+             for k, p in self._state["traced_model"].named_parameters()])
 
     # -- running -----------------------------------------------------------------------------
 

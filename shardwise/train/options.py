@@ -21,6 +21,7 @@ class TrainOptions:
     save_every: int = 0
     resume: str | None = None
     stop_at: int | None = None  # stop after this step (the schedule still spans ``steps``)
+    init_from: str | None = None  # safetensors weights to start from (``train/weights.py``)
 
     @property
     def last_step(self) -> int:
@@ -41,6 +42,11 @@ class TrainOptions:
             raise UserError(f"save dir {self.save_dir!r} is a file, not a directory.")
         if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
             raise UserError(f"--stop-at must lie in 1..{self.steps} (--steps).")
+        if self.init_from is not None:
+            if self.resume:
+                raise UserError("--init-from starts a run from weights, --resume continues a run; give one.")
+            if not Path(self.init_from).exists():
+                raise UserError(f"--init-from {self.init_from!r} does not exist.")
 
 
 def existing_file(path: str, what: str) -> Path:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.helpers import HF_TINY, REPO, cli, cli_all, failed_check, json_object
 
@@ -68,7 +69,8 @@ def test_train_hf_model_on_text_with_a_tokenizer_then_export_for_transformers(tm
     """An HF config with attention dropout trains on a local text file through a local
     tokenizer.json, its curve the one-process reference's (every rank and the reference seeded
     alike, each rank drawing a mask whole and keeping its slice); the checkpoint exports to a
-    directory transformers loads, with the trained weights."""
+    directory transformers loads, with the trained weights; training starts again from that
+    directory (--init-from), each rank reading its shards of the weights."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     text = tmp_path / "corpus.txt"
@@ -101,6 +103,13 @@ def test_train_hf_model_on_text_with_a_tokenizer_then_export_for_transformers(tm
     ids = torch.randint(0, 10, (1, 8))
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=ids).logits, ours(ids), atol=1e-5)
+
+    again = train("--model", model, *MESH_2X2, "--plan", "fsdp_tp", "--steps", "2", "--data", str(text),
+                  "--tokenizer", str(tmp_path / "tokenizer.json"), "--init-from", str(tmp_path / "hf"),
+                  "--check")
+    assert again["init_from"] == str(tmp_path / "hf") and again["max_rel_diff"] <= 1e-4
+    # the trained weights, not a fresh draw: the first batch's loss is the trained model's
+    assert again["losses"][0] < res["losses"][0] - 0.5
 
 
 @pytest.mark.slow
@@ -174,6 +183,8 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
         (root / "step-000004").mkdir(parents=True)
         (root / "step-000004" / "shardwise.json").write_text(json.dumps(meta))
         (root / "latest").write_text("step-000004")
+    weights = tmp_path / "other.safetensors"  # another model's
+    save_file({"wte.weight": torch.zeros(4, 2)}, str(weights))
     base = ["train", "--model", "llama-tiny", "--mesh", "2", "--steps", "2"]
     cases = {
         "holds no checkpoint": [*base, "--resume", str(empty)],
@@ -191,6 +202,10 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path):
         "is not a file": [*base, "--data", str(tmp_path)],
         "argument --tolerance: must be positive": [*base, "--check", "--tolerance", "0"],
         "cannot be split into 3 micro-batches": [*base, "--grad-accum", "3"],
+        "--init-from 'nowhere' does not exist": [*base, "--init-from", "nowhere"],
+        "give one": [*base, "--init-from", str(other), "--resume", str(other)],
+        "holds no weights": [*base, "--init-from", str(empty)],
+        "hold no tensor 'tok_embeddings.weight'": [*base, "--init-from", str(weights)],
     }
     for needle, proc in zip(cases, cli_all([[*argv, "--json"] for argv in cases.values()]), strict=True):
         assert proc.returncode == 2, (needle, proc.stderr)
