@@ -12,8 +12,9 @@ the embedding) is one parameter with several names, stored under any one of them
 (``save_pretrained`` keeps the embedding's, safetensors' ``save_model`` may keep the head's).
 
 safetensors maps the file and slices a tensor before reading it (``get_slice``), so a rank
-reads the block its shard holds (``Layout.index``), never the whole tensor. Values are cast to
-the parameter's dtype.
+copies out only the block its shard holds (``Layout.index``), never the whole tensor (the
+pages it touches are the file's, which the kernel may drop). Values are cast to the
+parameter's dtype.
 """
 
 from __future__ import annotations
