@@ -27,11 +27,12 @@ Two models: llama-tiny (hidden 64), whose CPU step is mostly per-op overhead, an
 wall and CPU: where shardwise's step and PyTorch's part ways.
 
 Memory: ``parallelize`` of ``--mem-model`` (default llama3-8b with 4 layers, bf16) built on meta
-over 4 ranks with the fsdp plan, then ``init_weights``: each rank's peak RSS next to the model's
-size (no rank ever holds the whole model).
+over 4 ranks with the fsdp plan, then ``init_weights`` (or, ``--mem-weights``, ``load_weights``
+from a safetensors file of the same values that this process writes first): each rank's peak
+RSS next to the model's size (no rank ever holds the whole model).
 
     python benchmarks/train.py [--models llama-tiny:8x128,llama-small:8x256] [--layers 4] [--compile]
-                               [--loops shardwise-ddp,torch-ddp] [--phases] [--skip-memory]
+                               [--loops shardwise-ddp,torch-ddp] [--phases] [--skip-memory] [--mem-weights]
 """
 
 from __future__ import annotations
@@ -206,7 +207,10 @@ def _memory_worker(rank: int, world: int, port: int, args, results) -> None:
     size = sum(p.numel() * p.element_size() for p in module.parameters())
     example = meta_inputs(spec)
     pm = parallelize(module, str(world), example, plan="fsdp", time_limit_s=120)
-    pm.init_weights(0)
+    if args.weights_file:
+        pm.load_weights(args.weights_file)
+    else:
+        pm.init_weights(0)
     local = sum(p.to_local().numel() * p.element_size() for p in pm.parameters())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     results[rank] = (size, local, rss, time.perf_counter() - t0)
@@ -279,12 +283,35 @@ def _print_phases(modes: list[str], best_phases: dict[str, dict[str, tuple[float
         print(f"{mode:<24}{cells}")
 
 
+def _write_weights(args, path: str) -> None:
+    """``init_weights(0)``'s values of the memory case's model as one safetensors file."""
+    from safetensors.torch import save_file
+
+    from shardwise.train.models import build_model
+    from shardwise.train.module import init_state_dict
+
+    module, _ = build_model(args.mem_model, layers=args.mem_layers, batch=args.mem_batch, seq=args.mem_seq)
+    save_file(init_state_dict({k: (tuple(p.shape), p.dtype) for k, p in module.named_parameters()}, 0), path)
+
+
 def memory(args) -> None:
+    import tempfile
+
     world = 4
     results = mp.Manager().dict()
-    mp.spawn(_memory_worker, args=(world, _free_port(), args, results), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory(prefix="shardwise-weights-") as tmp:
+        args.weights_file = None
+        if args.mem_weights:
+            args.weights_file = str(Path(tmp) / "model.safetensors")
+            # Written by a process of its own: Linux keeps a process's peak RSS across fork and
+            # exec, so ranks spawned from a parent that had held the whole model would report it.
+            writer = mp.get_context("spawn").Process(target=_write_weights, args=(args, args.weights_file))
+            writer.start()
+            writer.join()
+        mp.spawn(_memory_worker, args=(world, _free_port(), args, results), nprocs=world, join=True)
+    then = "load_weights from a safetensors file" if args.mem_weights else "init_weights"
     print(f"\nparallelize({args.mem_model}, {args.mem_layers} layers, on meta) over {world} gloo ranks, "
-          "fsdp plan, then init_weights")
+          f"fsdp plan, then {then}")
     print(f"{'rank':>4} {'model_GiB':>10} {'local_params_GiB':>17} {'peak_rss_GiB':>13} {'rss/model':>10} "
           f"{'wall_s':>7}")
     for r in range(world):
@@ -307,6 +334,8 @@ def main() -> None:
     p.add_argument("--mem-layers", type=int, default=4)
     p.add_argument("--mem-batch", type=int, default=4)
     p.add_argument("--mem-seq", type=int, default=256)
+    p.add_argument("--mem-weights", action="store_true",
+                   help="the memory case loads its weights from a safetensors file instead of init_weights")
     p.add_argument("--loops", default=",".join(MODES), help=f"which of {','.join(MODES)} to run")
     p.add_argument("--compile", action="store_true", help="also run every loop through torch.compile")
     p.add_argument("--phases", action="store_true",
