@@ -166,7 +166,7 @@ def test_options_alone_are_refused_before_torch_is_imported(tmp_path):
     base = ["train", "--model", "llama-tiny", "--mesh", "2"]
     for argv in ([*base, "--steps", "0"], [*base, "--data", str(tmp_path / "missing.txt")],
                  [*base, "--ac", "most"], [*base, "--save-every", "2"], [*base, "--tokenizer", "t.json"],
-                 [*base, "--grad-accum", "0"]):
+                 [*base, "--grad-accum", "0"], [*base, "--init-from", str(tmp_path / "none")]):
         proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True, text=True,
                               check=False)
         assert proc.stdout.split() == ["2", "False"], (argv, proc.stdout, proc.stderr)
