@@ -16,7 +16,6 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardwise.errors import UserError
 from shardwise.lower.spmd import Layout
-from shardwise.mesh import destroy_world
 from shardwise.runtime.launch import rel_err
 from shardwise.train import init_values, params_on_meta
 from shardwise.train.module import init_state_dict
@@ -129,14 +128,6 @@ def test_params_on_meta_keeps_buffers_real():
     assert m.lin.weight.is_meta and m.lin.bias.is_meta
     assert torch.equal(m.table, torch.arange(4.0))
     assert not torch.nn.Linear(2, 2).weight.is_meta  # only inside the context
-
-
-@pytest.fixture
-def one_process_group():
-    """parallelize on a one-device mesh starts a group of one; leave none behind."""
-    yield
-    if dist.is_initialized():
-        destroy_world()
 
 
 def test_one_device_module_is_the_model(one_process_group):

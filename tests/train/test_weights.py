@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file, save_model
 
 from shardwise.errors import UserError
@@ -18,14 +17,7 @@ from shardwise.train.weights import Pretrained
 from tests.train import gpt2
 
 
-@pytest.fixture
-def one_process_group():
-    yield
-    if dist.is_initialized():
-        destroy_world()
-
-
-def _trained_state() -> dict[str, torch.Tensor]:
+def _seeded_state() -> dict[str, torch.Tensor]:
     torch.manual_seed(3)
     return {k: v.detach().clone() for k, v in gpt2.GPT2().named_parameters()}
 
@@ -65,7 +57,7 @@ def test_other_weights_are_refused_in_one_sentence(tmp_path):
 def test_a_meta_module_starts_from_the_weights_of_a_file_or_a_sharded_directory(one_process_group, tmp_path):
     import shardwise.train as sw
 
-    want = _trained_state()
+    want = _seeded_state()
     torch.manual_seed(3)
     save_model(gpt2.GPT2(), str(tmp_path / "model.safetensors"))  # the tied head stored once
     # the same weights split over two files with an index, as save_pretrained shards them
