@@ -44,19 +44,20 @@ def weight_files(path: str | Path) -> dict[str, Path]:
 
     p = Path(path)
     if p.is_file() and p.suffix == SUFFIX:
-        files = {None: p}
+        files = [p]
     elif (p / INDEX_FILE).is_file():
         try:
-            files = {k: p / f for k, f in json.loads((p / INDEX_FILE).read_text())["weight_map"].items()}
+            names = json.loads((p / INDEX_FILE).read_text())["weight_map"].values()
         except (ValueError, KeyError, AttributeError):
             raise UserError(f"{p / INDEX_FILE} is no safetensors index (it lacks a weight_map).") from None
+        files = [p / f for f in dict.fromkeys(names)]
     elif (p / SINGLE_FILE).is_file():
-        files = {None: p / SINGLE_FILE}
+        files = [p / SINGLE_FILE]
     else:
         raise UserError(f"{str(path)!r} holds no weights: give a .safetensors file or a directory with "
                         f"{SINGLE_FILE} or {INDEX_FILE}.")
     out: dict[str, Path] = {}
-    for f in dict.fromkeys(files.values()):
+    for f in files:
         if not f.is_file():
             raise UserError(f"{INDEX_FILE} in {str(path)!r} names {f.name}, which is not there.")
         try:
