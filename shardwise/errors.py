@@ -18,3 +18,9 @@ class CheckFailed(Exception):
     def __init__(self, message: str, result: dict) -> None:
         super().__init__(message)
         self.result = result
+
+
+def first_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

@@ -16,7 +16,7 @@ from torch import fx
 
 DATA = Path(__file__).parent / "data"
 REPO = DATA.parents[1]
-HF_TINY = {name: DATA / f"hf_tiny_{name}" / "config.json" for name in ("llama", "mistral", "qwen2")}
+HF_TINY = {name: DATA / f"hf_tiny_{name}" / "config.json" for name in ("llama", "mistral", "qwen2", "gemma2")}
 # llama-tiny shaped so that its activations are worth checkpointing (tests/plan/conftest.py).
 AC_LAYERS, AC_BATCH, AC_SEQ = 4, 8, 256
 
@@ -32,7 +32,7 @@ PARAM_SCALE = 0.1
 
 
 def hf_model_name(arch: str = "llama") -> str:
-    """The ``hf:`` model name of a tiny test config (``llama``, ``mistral`` or ``qwen2``)."""
+    """The ``hf:`` model name of a tiny test config (``llama``, ``mistral``, ``qwen2`` or ``gemma2``)."""
     return f"hf:{HF_TINY[arch]}"
 
 

@@ -24,7 +24,8 @@ from torch.func import functional_call
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardwise.errors import UserError
+from shardwise.errors import UserError, first_line
+from shardwise.ir.stamp import StampRefused
 
 
 class Phase(enum.Enum):
@@ -254,7 +255,15 @@ def trace(
         # tracing and canonicalising a 7,500-node graph would otherwise regenerate and compile
         # its code once per pass (seconds each at 32 layers) for a graph nobody runs here.
         with _use_lazy_graph_module(True), fx_traceback.preserve_node_meta():
-            gm = make_fx(step, tracing_mode="real", record_module_stack=True)(*params, *inputs)
+            try:
+                gm = make_fx(step, tracing_mode="real", record_module_stack=True)(*params, *inputs)
+            except (UserError, StampRefused):
+                raise
+            except Exception as e:
+                # The model's own forward failed on these shapes, or uses an op without a fake
+                # (meta) kernel: a model shardwise cannot take, said in one sentence.
+                raise UserError("the model's forward cannot be traced on fake tensors: "
+                                f"{first_line(e)}") from e
     _functionalize_fresh(gm)
     _draws_from_shapes(gm)
     _check_functional(gm)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardwise.errors import UserError
+from shardwise.errors import UserError, first_line
 
 
 class HFCausalLM(nn.Module):
@@ -28,7 +28,8 @@ class HFCausalLM(nn.Module):
 
 
 def load_config(path: str, *, layers: int | None = None):
-    """Read a config.json into a transformers ``PretrainedConfig`` (SDPA attention)."""
+    """Read a config.json into a transformers ``PretrainedConfig``, its attention implementation
+    chosen (``attention_implementation``)."""
     import transformers
 
     p = Path(path)
@@ -53,8 +54,7 @@ def load_config(path: str, *, layers: int | None = None):
     except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
         # transformers validates some fields through huggingface_hub's strict dataclasses; the
         # cause is on the error's last line ("ValueError: ...").
-        first_line = _cause(e)
-        raise UserError(f"hf config file {path!r} is not a valid {model_type} config: {first_line}") from None
+        raise UserError(f"hf config file {path!r} is not a valid {model_type} config: {_cause(e)}") from None
     if layers is not None:
         cfg.num_hidden_layers = layers
         if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
@@ -63,18 +63,47 @@ def load_config(path: str, *, layers: int | None = None):
             )
         if hasattr(cfg, "max_window_layers"):
             cfg.max_window_layers = min(cfg.max_window_layers, layers)
-    cfg._attn_implementation = "sdpa"
+    _refuse_experts(cfg, raw, path)
+    cfg._attn_implementation = attention_implementation(cfg)
     return cfg
+
+
+# Config fields that count a mixture-of-experts layer's routed experts (Mixtral, Qwen2/3-MoE and
+# OLMoE, DeepSeek, DBRX-style configs).
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _refuse_experts(cfg, raw: dict, path: str) -> None:
+    """Mixture-of-experts layers are refused: transformers runs their routed experts as grouped
+    matmuls over token counts known only at run time (``_grouped_mm`` with data-dependent
+    offsets), which shardwise has no sharding strategy or cost for, and whose router writes its
+    weights in place. The field is named as the file names it (transformers aliases some)."""
+    fields = [(name, raw[name]) for name in EXPERT_COUNT_FIELDS if name in raw]
+    for name, n in fields + [(name, getattr(cfg, name, None)) for name in EXPERT_COUNT_FIELDS]:
+        if isinstance(n, int) and n > 1:
+            raise UserError(f"hf config file {path!r} describes a mixture-of-experts model ({name} = {n}); "
+                            "shardwise does not plan routed experts yet.")
+
+
+def attention_implementation(cfg) -> str:
+    """SDPA where transformers has it for the architecture (one fused attention op, priced and
+    sharded as one), else its eager attention: matmuls, a softmax and the architecture's own
+    extras (Gemma-2's soft-capped scores have no SDPA path), which trace and shard like any
+    other ops."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    return "sdpa" if cls is None or cls._supports_sdpa else "eager"
 
 
 def build_hf(cfg, dtype: torch.dtype) -> nn.Module:
     import transformers
 
     try:
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
-    except ValueError as e:
-        first_line = str(e).split("\n")[0]
-        raise UserError(f"transformers cannot build a causal LM from this config: {first_line}") from None
+        model = transformers.AutoModelForCausalLM.from_config(
+            cfg, attn_implementation=cfg._attn_implementation, dtype=dtype)
+    except Exception as e:  # a config transformers' own checks miss fails in its layers' constructors
+        raise UserError(f"transformers cannot build a causal LM from this config: {first_line(e)}") from None
     return HFCausalLM(model)
 
 

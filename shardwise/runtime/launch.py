@@ -45,7 +45,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardwise.errors import UserError
+from shardwise.errors import UserError, first_line
 from shardwise.lower.spmd import SPMDProgram, rename_groups
 from shardwise.mesh import destroy_world
 from shardwise.passes import all_gather_out
@@ -424,7 +424,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn, payload: bytes, 
         out = fn(rank, backend, payload, lambda obj: results.put(("msg", rank, obj)))
         results.put(("ok", rank, out))
     except BaseException as e:  # report everything: the parent names the rank and its error
-        results.put(("error", rank, _first_line(e), traceback.format_exc()))
+        results.put(("error", rank, first_line(e), traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
         stack_file.close()
@@ -437,11 +437,6 @@ def _worker(rank: int, world: int, port: int, backend: str, fn, payload: bytes, 
 
 def _stack_file(stacks: str, rank: int) -> str:
     return os.path.join(stacks, f"rank{rank}-stacks.txt")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # ---------------------------------------------------------------------------------------------

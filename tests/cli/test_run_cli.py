@@ -11,7 +11,7 @@ from shardwise.cli import main
 from shardwise.ir.trace import trace_model
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan.plan import NodeSpec, Plan, graph_fingerprint
-from tests.helpers import DATA, HF_TINY, cli_all, failed_check, json_object
+from tests.helpers import DATA, HF_TINY, cli, cli_all, failed_check, json_object
 
 JSON_KEYS = {"world_size", "plan", "loss", "loss_ref", "max_rel_err", "tolerance", "collectives", "rewrites",
              "wall_s"}
@@ -42,6 +42,19 @@ def test_a_step_with_dropout_draws_the_references_masks(capsys, tmp_path):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["max_rel_err"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_an_eager_attention_family_runs_fused_and_matches_the_reference():
+    """Gemma-2 (its attention soft-capped and, every other layer, windowed: transformers' eager
+    attention, as matmuls and a softmax) over FSDP x sequence-parallel TP with every projection
+    fused with its collective: the step is the one-process step's."""
+    argv = ["run", "--model", f"hf:{HF_TINY['gemma2']}", "--batch", "4", "--seq", "8", "--mesh", "2x2",
+            "--mesh-names", "dp,tp", "--plan", "fsdp_tp_sp",
+            "--passes", "sequence_parallel,collective_matmul", "--check", "--json"]
+    out = json_object(cli(*argv))
+    assert out["world_size"] == 4 and out["rewrites"]["collective_matmul"] > 0
+    assert out["max_rel_err"] <= 1e-4
 
 
 @pytest.mark.slow

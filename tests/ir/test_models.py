@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -70,6 +72,10 @@ def _write(tmp_path, text: str):
     ('{"model_type": "surely_not_an_architecture"}', "does not know the architecture"),
     ('{"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["full_attention"]}',
      "not a valid llama config"),
+    ('{"model_type": "mixtral", "num_local_experts": 8}',
+     r"mixture-of-experts model \(num_local_experts = 8\)"),
+    # named as the file names it, though transformers reads it as num_local_experts
+    ('{"model_type": "qwen3_moe", "num_experts": 4}', r"mixture-of-experts model \(num_experts = 4\)"),
 ])
 def test_bad_hf_configs_are_one_sentence_user_errors(tmp_path, content, message):
     name = f"hf:{tmp_path / 'missing.json'}" if content is None else _write(tmp_path, content)
@@ -100,3 +106,38 @@ def test_hf_mistral_traces_forward():
     assert tuple(traced.node(out).meta["val"].shape) == (spec.batch, spec.seq, spec.vocab_size)
     with FakeTensorMode():
         assert type(spec.build_module().model).__name__ == "MistralForCausalLM"
+
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 256}
+
+
+def test_a_config_its_layers_refuse_is_a_user_error(tmp_path):
+    """transformers' config checks pass (a warning), its embedding's constructor asserts."""
+    spec = get_model(_write(tmp_path, json.dumps({**TINY_LLAMA, "pad_token_id": 300})))
+    with pytest.raises(UserError, match="cannot build a causal LM from this config: AssertionError") as e:
+        with FakeTensorMode():
+            spec.build_module()
+    assert "\n" not in str(e.value)
+
+
+def test_a_forward_that_fails_on_the_shapes_is_a_user_error(tmp_path):
+    """3 KV heads for 4 query heads: the model builds, its attention fails while being traced."""
+    name = _write(tmp_path, json.dumps({**TINY_LLAMA, "num_key_value_heads": 3}))
+    with pytest.raises(UserError, match="forward cannot be traced on fake tensors: RuntimeError") as e:
+        trace_model(name)
+    assert "\n" not in str(e.value)
+
+
+def test_an_architecture_without_sdpa_traces_its_eager_attention():
+    """Gemma-2 soft-caps its attention scores, which SDPA cannot: its attention is transformers'
+    eager one (matmuls, tanh, softmax), the rest as for any family."""
+    sdpa = trace_model(hf_model_name("llama"), layers=1, train=False)
+    eager = trace_model(hf_model_name("gemma2"), layers=1, train=False)
+    assert get_model(hf_model_name("gemma2")).build_module().model.config._attn_implementation == "eager"
+
+    def targets(traced):
+        return {str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"}
+    assert any("scaled_dot_product" in t for t in targets(sdpa))
+    assert not any("scaled_dot_product" in t for t in targets(eager))
+    assert {"aten._softmax.default", "aten.tanh.default"} <= targets(eager)

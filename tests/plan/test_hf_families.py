@@ -1,8 +1,10 @@
 """Hugging Face families written by hand from their published hyper-parameters (tests/data):
 Phi-3 (fused qkv and gate_up), Qwen2-7B (biased q/k/v), Gemma-2B (head_dim 256, one KV head,
-tied embeddings, GeLU-tanh) and GPT-2 (Conv1D weights, biased LayerNorm, learned positions, tied
-head). Reduced to a few layers: each plans with no fallback op and no dearer than the best hand
-plan that applies. (Full-size timings: benchmarks/hf_families.py.)"""
+tied embeddings, GeLU-tanh), Gemma-2-2B (soft-capped attention scores and logits, which SDPA
+cannot take: transformers' eager attention; sliding-window and full layers alternating; four
+norms a layer) and GPT-2 (Conv1D weights, biased LayerNorm, learned positions, tied head).
+Reduced to a few layers: each plans with no fallback op and no dearer than the best hand plan
+that applies. (Full-size timings: benchmarks/hf_families.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from shardwise.plan.cluster import cluster
 from shardwise.plan.planner import NO_PLAN, plan_with_baselines
 from tests.helpers import DATA
 
-FAMILIES = ("phi3.json", "qwen2_7b.json", "gemma_2b.json", "gpt2.json")
+FAMILIES = ("phi3.json", "qwen2_7b.json", "gemma_2b.json", "gemma2_2b.json", "gpt2.json")
 MESH = Mesh((2, 2), ("dp", "tp"), "h100")
 # Relative slack when comparing step times (sums rounded differently).
 TIE = 1e-9
