@@ -1,10 +1,14 @@
-"""Strategy enumeration: asking DTensor once per distinct question changes nothing."""
+"""Strategy enumeration: asking DTensor once per distinct question changes nothing; our own
+rules compute what they say."""
 
 from __future__ import annotations
 
 import operator
 
 import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.ir.trace import trace_model
 from shardwise.mesh import Mesh
@@ -30,3 +34,53 @@ def test_one_question_per_distinct_node_gives_every_node_its_own_answer(monkeypa
     for n in shared:
         assert shared[n].strategies == fresh[n].strategies, n.format_node()
         assert (shared[n].follows, shared[n].fallback) == (fresh[n].follows, fresh[n].fallback)
+
+
+def _local(x: torch.Tensor, p, rank: int, share: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``x`` in placement ``p`` over two ranks (``share``: rank 0's part
+    of a Partial sum)."""
+    if isinstance(p, Shard):
+        return x.chunk(2, p.dim)[rank]
+    if isinstance(p, Partial):
+        return share if rank == 0 else x - share
+    return x
+
+
+def _whole(pieces: list[torch.Tensor], p) -> torch.Tensor:
+    if isinstance(p, Shard):
+        return torch.cat(pieces, p.dim)
+    if isinstance(p, Partial):
+        return pieces[0] + pieces[1]
+    assert torch.equal(pieces[0], pieces[1])
+    return pieces[0]
+
+
+@pytest.mark.parametrize(("op", "dim", "never"), [(torch.cat, 1, Shard(1)), (torch.stack, 1, Shard(1)),
+                                                  (torch.stack, -1, Shard(3))])
+def test_every_way_to_join_is_offered_and_each_computes_the_join(op, dim, never):
+    """cat and stack get a strategy for every placement that does not split the joined dim
+    (DTensor's rules give one), and each, run on two ranks' pieces, gives the whole op's result
+    in the output placement it names."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 6, 8, generator=g), torch.randn(4, 6, 8, generator=g)
+    gm = make_fx(lambda x, y: op([x, y], dim), tracing_mode="fake")(a, b)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    found = strategies.enumerate_strategies(gm, Mesh((2,), ("x",)).device_mesh())[node]
+    outs = {s.output[0][0] for s in found.strategies}
+    rank = a.dim() + (op is torch.stack)
+    assert outs == {Replicate(), Partial(), *(Shard(d) for d in range(rank))} - {never}
+    assert not found.fallback
+    whole = op([a, b], dim)
+    for s in found.strategies:
+        shares = [torch.randn(4, 6, 8, generator=g) for _ in range(2)]
+        pieces = [op([_local(x, ps[0], r, sh) for x, ps, sh in zip((a, b), s.inputs, shares, strict=True)],
+                     dim) for r in range(2)]
+        torch.testing.assert_close(_whole(pieces, s.output[0][0]), whole)
+
+
+def test_a_constant_made_in_the_forward_is_placed_as_the_constant_not_a_fallback():
+    gm = make_fx(lambda x: torch.where(x > 0, x, torch.tensor(-1.0)), tracing_mode="fake")(torch.randn(4, 8))
+    ns = strategies.enumerate_strategies(gm, Mesh((2,), ("x",)).device_mesh())
+    (copy,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.lift_fresh_copy.default]
+    assert not ns[copy].fallback and ns[copy].strategies
+    assert all(s.output == s.inputs for s in ns[copy].strategies)
