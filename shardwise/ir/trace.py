@@ -54,6 +54,10 @@ class Traced:
     phases: dict[str, Phase] = field(default_factory=dict)
     model_name: str = ""
     output_tree: pytree.TreeSpec | None = None
+    # A buffer the forward reads is traced as a fake graph constant: the buffer each constant is
+    # (its attribute name in ``gm`` -> the module's buffer name), so that it gets its own real
+    # value where several buffers share a shape (GPT-Neo's global and local attention masks).
+    constant_buffers: dict[str, str] = field(default_factory=dict)
     _index: dict[str, fx.Node] = field(default_factory=dict, repr=False, compare=False)
 
     def node(self, name: str) -> fx.Node:
@@ -280,6 +284,7 @@ def trace(
         inputs=[n.name for n in placeholders[n_params:]],
         model_name=model_name,
         output_tree=output_tree[0] if output_tree else None,
+        constant_buffers=_constant_buffers(gm, buffers),
     )
     if train:
         traced.loss = results[0].name
@@ -288,6 +293,14 @@ def trace(
         traced.outputs = [r.name for r in results if isinstance(r, fx.Node)]
     traced.refresh_phases()
     return traced
+
+
+def _constant_buffers(gm: fx.GraphModule, buffers: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each tensor attribute of ``gm`` that is one of ``buffers`` (the same object), by name."""
+    name_of = {id(b): k for k, b in buffers.items()}
+    consts = dict(gm.named_buffers())
+    consts.update({k: v for k, v in vars(gm).items() if isinstance(v, torch.Tensor)})
+    return {k: name_of[id(v)] for k, v in consts.items() if id(v) in name_of}
 
 
 def _mode_of(params: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> FakeTensorMode | None:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import UserError, first_line
+from shardwise.ir.trace import Traced
 from shardwise.lower.spmd import SPMDProgram, rename_groups
 from shardwise.mesh import destroy_world
 from shardwise.passes import all_gather_out
@@ -189,7 +190,7 @@ def make_step_data(program: SPMDProgram, seed: int = 0, model=None) -> StepData:
         named = dict(module.named_parameters())
         params = {k: named[k].detach() for k in traced.params}
         return StepData(params, tuple(spec.example_inputs(traced.train, seed)), module,
-                        real_constants(program.gm, module))
+                        real_constants(program.gm, module, traced))
     if fake_constants(program.gm):
         raise UserError("the program holds constants traced from fake buffers; pass the model "
                         "(a ModelSpec) so that they get real values.")
@@ -218,11 +219,22 @@ def fake_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     return {k: v for k, v in consts.items() if isinstance(v, FakeTensor)}
 
 
-def real_constants(gm: torch.fx.GraphModule, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The real value of each fake constant: the module's buffer of its shape and dtype. Tracing
-    does not keep buffer names, so several candidates must agree, else the graph is refused."""
+def real_constants(gm: torch.fx.GraphModule, module: torch.nn.Module,
+                   traced: Traced | None = None) -> dict[str, torch.Tensor]:
+    """The real value of each fake constant of ``gm`` (a program lowered from ``traced``, whose
+    constants are the traced ones): the module's buffer it was traced from
+    (``Traced.constant_buffers``), else the module's buffer of its shape and dtype, where all
+    such candidates agree (else the graph is refused)."""
+    named = {}
+    if traced is not None:
+        buffers = dict(module.named_buffers())
+        named = {id(v): buffers[traced.constant_buffers[k]] for k, v in fake_constants(traced.gm).items()
+                 if traced.constant_buffers.get(k) in buffers}
     out = {}
     for name, fake in fake_constants(gm).items():
+        if id(fake) in named:
+            out[name] = named[id(fake)].detach().clone()
+            continue
         cands = [b for b in module.buffers() if b.shape == fake.shape and b.dtype == fake.dtype]
         if not cands or any(not torch.equal(c, cands[0]) for c in cands[1:]):
             raise UserError(f"the graph constant {name} of shape {list(fake.shape)} matches "

@@ -431,7 +431,7 @@ class ParallelModule(nn.Module):
             if traced.train and self._state["ac"] is not ACPolicy.NONE:
                 program.rewrites["remat"] = remat.apply(program.gm, self._state["ac"])
             # Buffers (rotary tables...) were traced as fake constants: the module's values.
-            for name, value in real_constants(program.gm, module).items():
+            for name, value in real_constants(program.gm, module, traced).items():
                 setattr(program.gm, name, value)
             retarget_device(program.gm, torch.device(self.device_mesh.device_type))
             run_passes(program.gm, list(COMPILED_RUNTIME_PASSES if compiled else RUNTIME_PASSES))
