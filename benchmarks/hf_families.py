@@ -44,6 +44,7 @@ CASES = {
     "phi3:32": ("phi3.json", 32, "2x4", 8, 1024),
     "qwen2-7b:28": ("qwen2_7b.json", 28, "8x8", 16, 4096),
     "gemma-2b:18": ("gemma_2b.json", 18, "2x4", 8, 2048),
+    "gemma2-2b:26": ("gemma2_2b.json", 26, "2x4", 8, 4096),
     "gpt2:12": ("gpt2.json", 12, "2x4", 8, 1024),
 }
 TARGET_WALL_S = 60.0

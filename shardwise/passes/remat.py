@@ -25,7 +25,8 @@ value that is safe to recompute and that the backward reads is recomputed from t
 - ``full``: keep each block's inputs only. The blocks are found on the graph, not by name: the
   *spine* is the chain of nodes that post-dominate the step's inputs (every path from the token
   ids to the loss passes through them: the embedding, the residual adds, the head); a spine
-  node that closes a stretch holding an attention op is the middle of a transformer block
+  node that closes a stretch holding an attention op (a fused kernel, or an eager attention's
+  softmax: ``marks_attention``) is the middle of a transformer block
   (``h + attention(h)``, read by the block's MLP) and is recomputed; the other spine nodes
   (each layer's input, the head) are kept, everything else is recomputed. A model without
   residual connections is all spine: nothing to recompute.
@@ -205,6 +206,13 @@ def is_attention(node: fx.Node) -> bool:
     return node.op == "call_function" and _packet(node) in ATTENTION_PACKETS
 
 
+def marks_attention(node: fx.Node) -> bool:
+    """Where a block's attention is, for finding blocks and layers: a fused kernel, or the
+    softmax of an eager attention (transformers' for architectures without SDPA, such as
+    Gemma-2; the loss's is a log_softmax)."""
+    return is_attention(node) or (node.op == "call_function" and node.target is aten._softmax.default)
+
+
 def collective_kind(node: fx.Node) -> CollectiveKind | None:
     """The kind of a c10d functional collective op node, else None."""
     return C10D_KINDS.get(node.target) if node.op == "call_function" else None
@@ -356,7 +364,7 @@ def block_inputs(spine_nodes: set[fx.Node], forward: list[fx.Node]) -> set[fx.No
     holding an attention op (the residual add after attention, the middle of a transformer
     block: its MLP reads it, and recomputes it from the block's input). Without attention ops
     every spine node is a block input."""
-    attention = [i for i, n in enumerate(forward) if is_attention(n)]
+    attention = [i for i, n in enumerate(forward) if marks_attention(n)]
     out: set[fx.Node] = set()
     prev = -1
     for i, n in enumerate(forward):
@@ -372,7 +380,7 @@ def layer_starts(spine_nodes: set[fx.Node], forward: list[fx.Node]) -> list[fx.N
     """The block inputs that start a decoder layer: those whose stretch of the forward up to the
     next spine node holds an attention op (graph order)."""
     inputs = block_inputs(spine_nodes, forward)
-    attention = [i for i, n in enumerate(forward) if is_attention(n)]
+    attention = [i for i, n in enumerate(forward) if marks_attention(n)]
     on_spine = [(i, n) for i, n in enumerate(forward) if n in spine_nodes]
     return [n for (i, n), (j, _) in zip(on_spine, on_spine[1:], strict=False)
             if n in inputs and any(i < a < j for a in attention)]

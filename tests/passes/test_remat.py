@@ -404,8 +404,11 @@ def test_run_with_ac_on_gloo_ranks(policy):
 MIXED = remat.LayerPolicies((ACPolicy.FULL, ACPolicy.SELECTIVE, ACPolicy.NONE))
 
 
-def test_layer_starts_are_one_per_decoder_layer():
-    traced = _canonical("llama-tiny", layers=3)
+@pytest.mark.parametrize("model", ["llama-tiny", hf_model_name("gemma2")])
+def test_layer_starts_are_one_per_decoder_layer(model):
+    """With a fused attention kernel, or transformers' eager attention (Gemma-2: its softmax marks
+    the block's attention)."""
+    traced = _canonical(model, layers=3)
     gm = traced.gm
     plan = remat.recompute_plan(gm, ACPolicy.FULL)
     fwd = [n for n in gm.graph.nodes if n in plan.kept or n in set(plan.recompute)]
@@ -416,7 +419,7 @@ def test_layer_starts_are_one_per_decoder_layer():
     starts = remat.layer_starts(spine_nodes, regs.forward)
     assert len(starts) == 3
     layer = remat.layer_of(regs.forward, starts)
-    attention = [n for n in regs.forward if remat.is_attention(n)]
+    attention = [n for n in regs.forward if remat.marks_attention(n)]
     assert [layer[n] for n in attention] == [0, 1, 2]
 
 
