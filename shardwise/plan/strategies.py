@@ -121,7 +121,7 @@ def _placements_of(spec) -> Placements | None:
 
 
 # Our own rules, for ops DTensor has none for: op -> function(node, input choices, mesh) -> strategies.
-RuleFn = Callable[[fx.Node, list[list[Placements]], DeviceMesh], list[Strategy] | None]
+RuleFn = Callable[[fx.Node, list[list[Placements]], DeviceMesh], list[Strategy]]
 RULES: dict[object, RuleFn] = {}
 
 
@@ -210,25 +210,18 @@ def _copy(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> l
     return [Strategy((p,), (p,)) for p in choices[0]]
 
 
-@register_rule(aten.cat.default, aten.stack.default)
-def _join(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy] | None:
-    """Every way to cat or stack: per mesh dim all inputs Replicate, or Shard of the same dim
-    other than the joined one (a stacked output's dims from the new one on are one further),
-    or Partial (joining is linear); the output alike. DTensor's rules return one strategy, the
-    placement its inputs "follow", which leaves the planner no choice (Helium's and Cohere's
-    interleaved rotary embeddings stack two halves: that one strategy sharded the heads over
-    dp, so no hand plan applied). Inputs of different ranks (an empty tensor in a cat): None."""
-    ranks = {a.meta["val"].dim() for a in tensor_args(node)}
-    if len(ranks) != 1:
-        return None
-    (rank,), n_in = ranks, len(tensor_args(node))
-    stack = node.target is aten.stack.default
-    dim = node.args[1] if len(node.args) > 1 else 0
-    dim %= rank + 1 if stack else rank
+@register_rule(aten.stack.default)
+def _stack(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
+    """Every way to stack: per mesh dim all inputs Replicate, or Shard of the same dim (the
+    output's dims from the new one on are one further), or Partial (stacking is linear); the
+    output alike. DTensor's rule returns one strategy, the placement its inputs "follow", which
+    leaves the planner no choice (Helium's and Cohere's interleaved rotary embeddings stack two
+    halves: that one strategy sharded the heads over dp, so no hand plan applied). Its cat rule
+    already lists every way."""
+    n_in, rank = len(tensor_args(node)), tensor_args(node)[0].meta["val"].dim()
+    dim = (node.args[1] if len(node.args) > 1 else 0) % (rank + 1)
     rows = [((Replicate(),), (Replicate(),) * n_in), ((Partial(),), (Partial(),) * n_in)]
-    for d in range(rank):
-        if stack or d != dim:
-            rows.append(((Shard(d + 1 if stack and d >= dim else d),), (Shard(d),) * n_in))
+    rows += [((Shard(d + 1 if d >= dim else d),), (Shard(d),) * n_in) for d in range(rank)]
     return _combine_per_mesh_dim(rows, mesh.ndim)
 
 
