@@ -295,12 +295,17 @@ def trace(
     return traced
 
 
-def _constant_buffers(gm: fx.GraphModule, buffers: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Each tensor attribute of ``gm`` that is one of ``buffers`` (the same object), by name."""
-    name_of = {id(b): k for k, b in buffers.items()}
+def graph_constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The tensors ``gm`` holds as attributes (buffers and plain tensor attributes), by name."""
     consts = dict(gm.named_buffers())
     consts.update({k: v for k, v in vars(gm).items() if isinstance(v, torch.Tensor)})
-    return {k: name_of[id(v)] for k, v in consts.items() if id(v) in name_of}
+    return consts
+
+
+def _constant_buffers(gm: fx.GraphModule, buffers: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each constant of ``gm`` that is one of ``buffers`` (the same object): its buffer's name."""
+    name_of = {id(b): k for k, b in buffers.items()}
+    return {k: name_of[id(v)] for k, v in graph_constants(gm).items() if id(v) in name_of}
 
 
 def _mode_of(params: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> FakeTensorMode | None:

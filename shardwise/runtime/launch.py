@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import UserError, first_line
-from shardwise.ir.trace import Traced
+from shardwise.ir.trace import Traced, graph_constants
 from shardwise.lower.spmd import SPMDProgram, rename_groups
 from shardwise.mesh import destroy_world
 from shardwise.passes import all_gather_out
@@ -214,9 +214,7 @@ def fake_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     frequencies...) captured as graph constants, with no data behind them."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    consts = dict(gm.named_buffers())
-    consts.update({k: v for k, v in vars(gm).items() if isinstance(v, torch.Tensor)})
-    return {k: v for k, v in consts.items() if isinstance(v, FakeTensor)}
+    return {k: v for k, v in graph_constants(gm).items() if isinstance(v, FakeTensor)}
 
 
 def real_constants(gm: torch.fx.GraphModule, module: torch.nn.Module,
