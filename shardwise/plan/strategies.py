@@ -210,6 +210,25 @@ def _copy(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> l
     return [Strategy((p,), (p,)) for p in choices[0]]
 
 
+# Activation gradients DTensor has no rule for (it has their forwards'): Apertus's xIELU reads
+# softplus, and transformers' ACT2FN offers the rest.
+ACTIVATION_BACKWARD = (aten.elu_backward.default, aten.hardsigmoid_backward.default,
+                       aten.hardswish_backward.default, aten.hardtanh_backward.default,
+                       aten.leaky_relu_backward.default, aten.mish_backward.default,
+                       aten.softplus_backward.default)
+
+
+@register_rule(*ACTIVATION_BACKWARD)
+def _activation_backward(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
+    """(grad_output, input or result) -> grad_output * f'(input), elementwise: per mesh dim all
+    three Replicate or Shard of the same dim, or the gradients Partial and the input Replicate
+    (linear in the gradient)."""
+    rank = tensor_args(node)[0].meta["val"].dim()
+    rows = [((Replicate(),), (Replicate(), Replicate())), ((Partial(),), (Partial(), Replicate()))]
+    rows += [((Shard(d),), (Shard(d), Shard(d))) for d in range(rank)]
+    return _combine_per_mesh_dim(rows, mesh.ndim)
+
+
 @register_rule(aten.stack.default)
 def _stack(node: fx.Node, choices: list[list[Placements]], mesh: DeviceMesh) -> list[Strategy]:
     """Every way to stack: per mesh dim all inputs Replicate, or Shard of the same dim (the

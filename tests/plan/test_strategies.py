@@ -83,3 +83,30 @@ def test_a_constant_made_in_the_forward_is_placed_as_the_constant_not_a_fallback
     (copy,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.lift_fresh_copy.default]
     assert not ns[copy].fallback and ns[copy].strategies
     assert all(s.output == s.inputs for s in ns[copy].strategies)
+
+
+@pytest.mark.parametrize("backward", [
+    lambda g, x: torch.ops.aten.softplus_backward(g, x, 1.0, 20.0),
+    lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, 0.01, False),
+    lambda g, x: torch.ops.aten.elu_backward(g, 1.0, 1.0, 1.0, False, x),
+    lambda g, x: torch.ops.aten.mish_backward(g, x),
+    lambda g, x: torch.ops.aten.hardtanh_backward(g, x, -1.0, 1.0),
+])
+def test_activation_gradients_are_planned_elementwise_and_each_strategy_computes_them(backward):
+    """DTensor has no rule for these (softplus: Apertus's xIELU); ours shards or replicates all
+    three alike, or takes the gradient Partial with the input whole, and each strategy, run on
+    two ranks' pieces, gives the whole op's result."""
+    g = torch.Generator().manual_seed(0)
+    grad, x = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    gm = make_fx(backward, tracing_mode="fake")(grad, x)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    found = strategies.enumerate_strategies(gm, Mesh((2,), ("x",)).device_mesh())[node]
+    assert not found.fallback
+    assert {s.output[0][0] for s in found.strategies} == {Replicate(), Partial(), Shard(0), Shard(1)}
+    whole = backward(grad, x)
+    for s in found.strategies:
+        shares = [torch.randn(4, 6, generator=g) for _ in range(2)]
+        pieces = [backward(*(_local(t, ps[0], r, sh)
+                             for t, ps, sh in zip((grad, x), s.inputs, shares, strict=True)))
+                  for r in range(2)]
+        torch.testing.assert_close(_whole(pieces, s.output[0][0]), whole)
