@@ -27,8 +27,9 @@ does, not the whole weight): the same auto plans; Qwen2-7B's best hand plan is f
 Stop 44 (Gemma-2-2B added: transformers has no SDPA path for its soft-capped attention, so it
 traces its eager attention, matmuls and a softmax, whose [b, h, s, s] scores make activation
 checkpointing necessary at seq 4096): no fallback ops, auto 1686.1 ms against ddp's 1892.2
-(-10.9%), gap 0.4%, but 100.2-112.4 s (its layers alternate sliding and full attention, so the
-whole model is traced, 8.1 s, and its ILP has 152,566 columns). The others, the same hour:
+(-10.9%), gap 0.4%, but 73.9 s on a quiet machine (112.4 s beside a test run; its layers
+alternate sliding and full attention, so the whole model is traced, 8.1 s, and its ILP has
+152,566 columns). The others, the same hour:
 phi3 2 layers 44.000 ms in 34.7 s, 32 layers 497.194 in 33.9 s, Qwen2-7B 1890.3 (optimal) in
 31.5 s, gemma 663.315 in 21.8 s, gpt2 23.419 in 10.0 s; every auto plan <= its best hand plan.
 """
