@@ -9,9 +9,10 @@ by the same cost model as the auto plan and lowered by the same code:
 - ``ddp``: every parameter replicated; the batch split over every mesh dim.
 - ``fsdp``: every parameter sharded on dim 0 over every mesh dim; the batch split likewise.
 - ``fsdp_tp``: on ``tp`` Megatron column-parallel (wq/wk/wv/w1/w3, the output head: Shard(0) of
-  the ``[out, in]`` weight), row-parallel (wo/w2: Shard(1)), the embedding split over the
-  vocabulary, norms replicated, the residual stream and the norms' outputs replicated, every
-  tp-sharded weight read sharded; on the other dims FSDP (Shard(0); Shard(1) for a weight tp
+  the ``[out, in]`` weight), row-parallel (wo/w2: Shard(1)), and the same roles under each
+  family's own module names (``COLUMN``, ``ROW``), the embedding split over the vocabulary,
+  norms replicated, the residual stream and the norms' outputs replicated, every tp-sharded
+  weight read sharded; on the other dims FSDP (Shard(0); Shard(1) for a weight tp
   splits on dim 0, the bytes of FSDP2's strided shard: ``_fsdp_of_tp_shard``) with the batch split.
 - ``fsdp_tp_sp``: ``fsdp_tp`` with the residual stream and the norms' outputs sharded on the
   sequence dim over ``tp`` (so row-parallel outputs are reduce-scattered into it and
@@ -58,26 +59,29 @@ from shardwise.plan.strategies import divides_evenly, flat_tensor_vals
 
 BASELINES = ("ddp", "fsdp", "fsdp_tp", "fsdp_tp_sp")
 TP = "tp"
-
-# Megatron roles by parameter-name suffix (built-in llama and HF Llama/Mistral/Qwen2/Gemma
-# names, Phi-3's fused qkv_proj and gate_up_proj). Stored [out, in]: column-parallel is Shard(0).
-COLUMN = re.compile(
-    r"(wq|wk|wv|w1|w3|q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|output|lm_head)\.weight$")
-ROW = re.compile(r"(wo|w2|o_proj|down_proj)\.weight$")
-COLUMN_BIAS = re.compile(r"(q_proj|k_proj|v_proj|c_attn|c_fc)\.bias$")
-# GPT-2's Conv1D weights are stored [in, out], so its roles are the other dim: column-parallel
-# c_attn/c_fc split dim 1, row-parallel c_proj dim 0 (Megatron's GPT-2 layout).
-CONV1D_COLUMN = re.compile(r"(c_attn|c_fc)\.weight$")
-CONV1D_ROW = re.compile(r"c_proj\.weight$")
-# Embedding tables are split over the vocabulary (torchtitan's RowwiseParallel embedding).
-VOCAB = re.compile(r"(tok_embeddings|embed_tokens|wte)\.weight$")
-
 aten = torch.ops.aten
+
+# Megatron roles by the name of the module a parameter belongs to (built-in llama; HF Llama,
+# Mistral, Qwen2, Gemma, Phi-3's fused qkv_proj and gate_up_proj; GPT-2, GPT-Neo, GPT-BigCode and
+# StarCoder2's c_attn/c_fc/c_proj; Bloom, Falcon, GPT-NeoX and Persimmon's query_key_value,
+# dense_h_to_4h, dense_4h_to_h and dense; Phi's fc1/fc2). Column-parallel splits a weight's output
+# features (and its bias), row-parallel its input features; the dim each is stored on is read off
+# the graph (``_in_dim``): Linear stores [out, in], GPT-2's Conv1D [in, out].
+COLUMN = re.compile(r"(?:^|\.)(wq|wk|wv|w1|w3|q_proj|k_proj|v_proj|qkv_proj|query_key_value|c_attn|gate_proj|"
+                    r"up_proj|gate_up_proj|c_fc|fc1|dense_h_to_4h|output|lm_head|embed_out)\.(weight|bias)$")
+ROW = re.compile(r"(?:^|\.)(wo|w2|o_proj|out_proj|dense|down_proj|c_proj|fc2|dense_4h_to_h)\.weight$")
+# Embedding tables are split over the vocabulary (torchtitan's RowwiseParallel embedding).
+VOCAB = re.compile(r"(?:^|\.)(tok_embeddings|embed_tokens|wte|word_embeddings|embed_in)\.weight$")
+# The ops that multiply by a weight: a Linear's reads it through a transpose, a Conv1D's as stored.
+_MATMUL_OPS = (aten.einsum.default, aten.mm.default, aten.addmm.default, aten.matmul.default)
+
 # The loss: data parallelism (torchtitan's, any framework's) computes it on each rank's tokens
 # and averages it, a pending average over the data-parallel dims.
 LOSS_OPS = frozenset({aten.nll_loss_forward.default})
 # The ops a decomposed RMSNorm ends in: their outputs are "the norm's output".
 _NORM_OPS = (aten.rsqrt,)
+# A LayerNorm applies its weight and bias inside the op: its (first) output is what projections read.
+_LAYER_NORM_OPS = (aten.native_layer_norm.default,)
 
 
 @dataclass(frozen=True)
@@ -92,12 +96,26 @@ class BaselineSpec:
     batch_nodes: frozenset[str] = frozenset()
 
 
-def _tp_role(param: str, ndim: int) -> Placements | None:
-    if COLUMN.search(param) or COLUMN_BIAS.search(param) or VOCAB.search(param) or CONV1D_ROW.search(param):
+def _tp_role(param: str, ndim: int, in_dim: int = 1) -> Placements:
+    """Where tensor parallelism splits parameter ``param`` (``ndim`` dims; a 2-D weight's input
+    features on ``in_dim``, ``_in_dim``): column-parallel its output features, row-parallel its
+    input features, an embedding its vocabulary, anything else replicated."""
+    if VOCAB.search(param):
         return (Shard(0),)
-    if (ROW.search(param) or CONV1D_COLUMN.search(param)) and ndim == 2:
-        return (Shard(1),)
+    if COLUMN.search(param):
+        return (Shard(1 - in_dim if ndim == 2 else 0),)
+    if ROW.search(param) and ndim == 2:
+        return (Shard(in_dim),)
     return (Replicate(),)
+
+
+def _in_dim(traced: Traced, placeholder: str) -> int:
+    """The dim of a 2-D weight that holds its input features: 0 where a forward matmul reads it
+    as stored (GPT-2's Conv1D, ``[in, out]``), else 1 (a Linear's ``[out, in]``, read through a
+    transpose)."""
+    node = traced.node(placeholder)
+    as_stored = any(is_op(u, *_MATMUL_OPS) and traced.phase(u) is Phase.FORWARD for u in node.users)
+    return 0 if as_stored else 1
 
 
 def _fsdp_of_tp_shard(ps: Placements, dp_dims: list[int], shape: tuple[int, ...],
@@ -139,7 +157,7 @@ def _spec_or_refusal(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | st
         for d in dp_dims:
             per_dim[d] = Replicate() if name == "ddp" else Shard(0)
         if uses_tp:
-            per_dim[tp] = _tp_role(pname, val.dim())[0]
+            per_dim[tp] = _tp_role(pname, val.dim(), _in_dim(traced, ph) if val.dim() == 2 else 1)[0]
         ps = on_mesh(tuple(per_dim), mesh.shape)
         if uses_tp and per_dim[tp] == Shard(0) and val.dim() == 2:
             ps = _fsdp_of_tp_shard(ps, dp_dims, tuple(val.shape), mesh.shape)
@@ -196,15 +214,15 @@ def batch_nodes(traced: Traced) -> frozenset[str]:
 
 def norm_nodes(traced: Traced) -> list[fx.Node]:
     """Forward nodes at the norms' boundaries: each norm's input (the residual stream), its
-    normalised value (the multiply after ``rsqrt``, or a shardwise norm op) and that value scaled
-    by the norm's weight (what the projections read)."""
+    normalised value (the multiply after ``rsqrt``, a shardwise norm op or a LayerNorm) and that
+    value scaled by the norm's weight (what the projections read; a LayerNorm's own output)."""
     weights = set(traced.params.values())
     out = []
     for n in traced.gm.graph.nodes:
         if traced.phase(n) is not Phase.FORWARD or n.op != "call_function":
             continue
         rsqrt = next((a for a in n.all_input_nodes if is_op(a, *_NORM_OPS)), None)
-        if str(n.target).startswith("shardwise.") and "norm" in str(n.target):
+        if str(n.target).startswith("shardwise.") and "norm" in str(n.target) or is_op(n, *_LAYER_NORM_OPS):
             out += [n, *[x for x in tensor_args(n)[:1] if is_op(x, aten.add)]]
         elif rsqrt is not None and (x := mul_other(n, rsqrt)) is not None:
             while cast_dtype(x) is not None:  # HF norms upcast their input

@@ -44,16 +44,26 @@ def test_a_step_with_dropout_draws_the_references_masks(capsys, tmp_path):
     assert out["max_rel_err"] <= 1e-5
 
 
+# Bloom: LayerNorms, ALiBi, transformers' eager attention, a fused query_key_value projection and
+# its own module names (dense, dense_h_to_4h, dense_4h_to_h, word_embeddings).
+BLOOM_TINY = {"model_type": "bloom", "hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256}
+
+
 @pytest.mark.slow
-def test_an_eager_attention_family_runs_fused_and_matches_the_reference():
+@pytest.mark.parametrize("family, fused", [("gemma2", 8), ("bloom", 11)])
+def test_eager_attention_families_run_fused_and_match_the_reference(family, fused, tmp_path):
     """Gemma-2 (its attention soft-capped and, every other layer, windowed: transformers' eager
-    attention, as matmuls and a softmax) over FSDP x sequence-parallel TP with every projection
-    fused with its collective: the step is the one-process step's."""
-    argv = ["run", "--model", f"hf:{HF_TINY['gemma2']}", "--batch", "4", "--seq", "8", "--mesh", "2x2",
+    attention, as matmuls and a softmax) and Bloom (above) over FSDP x sequence-parallel TP,
+    their projections fused with their collectives (Bloom's: every column-parallel one reads its
+    LayerNorm's output sequence-sharded): the step is the one-process step's."""
+    config = HF_TINY["gemma2"] if family == "gemma2" else tmp_path / "config.json"
+    if family == "bloom":
+        config.write_text(json.dumps(BLOOM_TINY))
+    argv = ["run", "--model", f"hf:{config}", "--batch", "4", "--seq", "8", "--mesh", "2x2",
             "--mesh-names", "dp,tp", "--plan", "fsdp_tp_sp",
             "--passes", "sequence_parallel,collective_matmul", "--check", "--json"]
     out = json_object(cli(*argv))
-    assert out["world_size"] == 4 and out["rewrites"]["collective_matmul"] > 0
+    assert out["world_size"] == 4 and out["rewrites"]["collective_matmul"] >= fused
     assert out["max_rel_err"] <= 1e-4
 
 

@@ -8,13 +8,15 @@ that applies. (Full-size timings: benchmarks/hf_families.py.)"""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 from shardwise.ir.trace import trace_model
 from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
-from shardwise.plan.baselines import _tp_role
+from shardwise.plan.baselines import baseline_spec
 from shardwise.plan.cluster import cluster
 from shardwise.plan.planner import NO_PLAN, plan_with_baselines
 from tests.helpers import DATA
@@ -60,16 +62,47 @@ def test_gpt2_layers_cluster_forward_and_backward_with_representatives_first():
     assert all(index[r] <= index[n] for n, r in clus.rep.items())
 
 
-@pytest.mark.parametrize("name, ndim, role", [
-    ("model.model.layers.0.self_attn.qkv_proj.weight", 2, Shard(0)),  # Phi-3: fused, column
-    ("model.model.layers.0.mlp.gate_up_proj.weight", 2, Shard(0)),
-    ("model.transformer.h.0.attn.c_attn.weight", 2, Shard(1)),  # GPT-2 Conv1D: [in, out]
-    ("model.transformer.h.0.mlp.c_fc.weight", 2, Shard(1)),
-    ("model.transformer.h.0.attn.c_proj.weight", 2, Shard(0)),
-    ("model.transformer.h.0.attn.c_attn.bias", 1, Shard(0)),
-    ("model.transformer.h.0.mlp.c_proj.bias", 1, Replicate()),
-    ("model.transformer.wte.weight", 2, Shard(0)),
-    ("model.transformer.wpe.weight", 2, Replicate()),
+# Tiny configs of families whose layers are named otherwise than Llama's (model_type -> config).
+NAMED_OTHERWISE = {
+    "gpt2": {"n_embd": 64, "n_head": 4, "n_layer": 1, "vocab_size": 256, "n_positions": 64},
+    "gpt_neo": {"hidden_size": 64, "num_heads": 4, "num_layers": 1, "attention_types": [[["global"], 1]],
+                "vocab_size": 256, "max_position_embeddings": 64, "intermediate_size": 128},
+    "bloom": {"hidden_size": 64, "n_head": 4, "n_layer": 1, "vocab_size": 256},
+    "phi": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 1,
+            "vocab_size": 256, "max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("family, module, role", [
+    ("gpt2", "attn.c_attn.weight", Shard(1)),  # Conv1D, stored [in, out]: column splits dim 1
+    ("gpt2", "mlp.c_fc.weight", Shard(1)),
+    ("gpt2", "attn.c_proj.weight", Shard(0)),
+    ("gpt2", "attn.c_attn.bias", Shard(0)),
+    ("gpt2", "mlp.c_proj.bias", Replicate()),
+    ("gpt2", "wte.weight", Shard(0)),
+    ("gpt2", "wpe.weight", Replicate()),
+    ("gpt_neo", "mlp.c_fc.weight", Shard(0)),  # the same names on Linear weights, [out, in]
+    ("gpt_neo", "mlp.c_proj.weight", Shard(1)),
+    ("gpt_neo", "attention.out_proj.weight", Shard(1)),
+    ("gpt_neo", "attention.q_proj.weight", Shard(0)),
+    ("bloom", "query_key_value.weight", Shard(0)),  # fused, column
+    ("bloom", "query_key_value.bias", Shard(0)),
+    ("bloom", "self_attention.dense.weight", Shard(1)),
+    ("bloom", "dense_h_to_4h.weight", Shard(0)),
+    ("bloom", "dense_4h_to_h.weight", Shard(1)),
+    ("bloom", "word_embeddings.weight", Shard(0)),
+    ("phi", "fc1.weight", Shard(0)),
+    ("phi", "fc2.weight", Shard(1)),
+    ("phi", "self_attn.dense.weight", Shard(1)),
 ])
-def test_megatron_roles_of_fused_and_conv1d_weights(name, ndim, role):
-    assert _tp_role(name, ndim) == (role,)
+def test_megatron_roles_by_module_name_and_stored_layout(family, module, role, tmp_path):
+    """Tensor parallelism splits a column-parallel weight's output features and a row-parallel
+    one's input features, on the dim the graph shows they are stored on (a Linear's weight is
+    read through a transpose, a Conv1D's as it is), whatever the family calls its modules."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": family, **NAMED_OTHERWISE[family]}))
+    tr = trace_model(f"hf:{config}", layers=1, batch=4, seq=16)
+    canonicalize(tr)
+    spec = baseline_spec("fsdp_tp", tr, MESH)
+    name = next(p for p in tr.params if p.endswith("." + module))
+    assert spec.fixed[tr.params[name]][MESH.dim("tp")] == role

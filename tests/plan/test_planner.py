@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -207,16 +208,24 @@ def test_hf_llama_plans_without_fallbacks(hf_tiny_config):
     assert plan.fallback_ops == []
 
 
-@pytest.mark.parametrize("model", ["llama-tiny", "hf"])
-def test_sequence_parallel_baseline_gathers_right_before_each_column_projection(model, hf_tiny_config):
+# Bloom: LayerNorms (their weight and bias applied inside aten.native_layer_norm) and a fused
+# query_key_value projection.
+BLOOM_TINY = {"model_type": "bloom", "hidden_size": 64, "n_head": 4, "n_layer": 1, "vocab_size": 256}
+
+
+@pytest.mark.parametrize("model, projections", [("llama-tiny", 5), ("hf", 5), ("hf-layernorm", 2)])
+def test_sequence_parallel_baseline_gathers_right_before_each_column_projection(model, projections,
+                                                                                 hf_tiny_config, tmp_path):
     """fsdp_tp_sp: the value a column-parallel projection reads (the norm's output scaled by its
-    weight, bf16 HF norms casting in between) is sequence-sharded on tp and gathered by the
-    projection itself, so the all_gather and the matmul are adjacent (what collective-matmul
-    fusion needs), in the training graph too."""
+    weight, bf16 HF norms casting in between, or a LayerNorm's output) is sequence-sharded on tp
+    and gathered by the projection itself, so the all_gather and the matmul are adjacent (what
+    collective-matmul fusion needs), in the training graph too."""
     from shardwise.ir.flops import is_view
     from shardwise.plan.baselines import COLUMN
 
-    name = f"hf:{hf_tiny_config}" if model == "hf" else model
+    (tmp_path / "config.json").write_text(json.dumps(BLOOM_TINY))
+    config = tmp_path / "config.json"
+    name = {"llama-tiny": model, "hf": f"hf:{hf_tiny_config}", "hf-layernorm": f"hf:{config}"}[model]
     tr = trace_model(name, layers=1, batch=4, seq=16, dtype="bf16")
     canonicalize(tr)
     mesh = Mesh((2, 2), ("dp", "tp"))
@@ -237,7 +246,7 @@ def test_sequence_parallel_baseline_gathers_right_before_each_column_projection(
         assert plan.nodes[n.name].inputs[0][1] == Replicate(), n.name
         assert plan.nodes[src.name].output[0][1] == Shard(1), (n.name, src.name)
         checked += 1
-    assert checked >= 5  # q, k, v, gate, up (and the head)
+    assert checked >= projections  # q, k, v, gate, up (and the head); Bloom's qkv and h_to_4h
 
 
 def test_fsdp_keeps_the_logits_and_the_loss_batch_split():
