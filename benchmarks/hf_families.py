@@ -32,6 +32,13 @@ alternate sliding and full attention, so the whole model is traced, 8.1 s, and i
 152,566 columns). The others, the same hour:
 phi3 2 layers 44.000 ms in 34.7 s, 32 layers 497.194 in 33.9 s, Qwen2-7B 1890.3 (optimal) in
 31.5 s, gemma 663.315 in 21.8 s, gpt2 23.419 in 10.0 s; every auto plan <= its best hand plan.
+Stop 45 (the tensor-parallel hand plans find each family's projections by its own module names,
+the split dim read off the graph, and shard LayerNorm outputs on the sequence): Pythia-1.4B (24
+layers) and Bloom-560m (24 layers) added, both optimal, no fallback ops, auto <= every hand plan:
+pythia 378.683 ms (fsdp 379.248) in 36.3 s, bloom 205.712 ms (fsdp 208.304) in 17.0 s. Their
+fsdp_tp and fsdp_tp_sp had run no tensor parallelism at all (Bloom's 208.436 ms both, the same
+as FSDP over the mesh); now Megatron's layout, 238.4 and 239.6 ms (Pythia: 406.2 and 409.5): at
+these widths 4-way tensor parallelism costs more than it saves. gpt2 23.419 ms in 9.7 s.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ CASES = {
     "gemma-2b:18": ("gemma_2b.json", 18, "2x4", 8, 2048),
     "gemma2-2b:26": ("gemma2_2b.json", 26, "2x4", 8, 4096),
     "gpt2:12": ("gpt2.json", 12, "2x4", 8, 1024),
+    "pythia-1.4b:24": ("pythia_1b4.json", 24, "2x4", 8, 2048),
+    "bloom-560m:24": ("bloom_560m.json", 24, "2x4", 8, 2048),
 }
 TARGET_WALL_S = 60.0
 # Relative slack when comparing step times (the sums are rounded differently).

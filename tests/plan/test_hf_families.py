@@ -2,7 +2,9 @@
 Phi-3 (fused qkv and gate_up), Qwen2-7B (biased q/k/v), Gemma-2B (head_dim 256, one KV head,
 tied embeddings, GeLU-tanh), Gemma-2-2B (soft-capped attention scores and logits, which SDPA
 cannot take: transformers' eager attention; sliding-window and full layers alternating; four
-norms a layer) and GPT-2 (Conv1D weights, biased LayerNorm, learned positions, tied head).
+norms a layer), GPT-2 (Conv1D weights, biased LayerNorm, learned positions, tied head), Pythia-1.4B
+(GPT-NeoX: fused query_key_value, rotary on a quarter of each head, parallel residual) and
+Bloom-560m (ALiBi, transformers' eager attention, a LayerNorm after the embedding, tied head).
 Reduced to a few layers: each plans with no fallback op and no dearer than the best hand plan
 that applies. (Full-size timings: benchmarks/hf_families.py.)"""
 
@@ -21,7 +23,8 @@ from shardwise.plan.cluster import cluster
 from shardwise.plan.planner import NO_PLAN, plan_with_baselines
 from tests.helpers import DATA
 
-FAMILIES = ("phi3.json", "qwen2_7b.json", "gemma_2b.json", "gemma2_2b.json", "gpt2.json")
+FAMILIES = ("phi3.json", "qwen2_7b.json", "gemma_2b.json", "gemma2_2b.json", "gpt2.json", "pythia_1b4.json",
+            "bloom_560m.json")
 MESH = Mesh((2, 2), ("dp", "tp"), "h100")
 # Relative slack when comparing step times (sums rounded differently).
 TIE = 1e-9
