@@ -17,6 +17,10 @@ from torch import fx
 DATA = Path(__file__).parent / "data"
 REPO = DATA.parents[1]
 HF_TINY = {name: DATA / f"hf_tiny_{name}" / "config.json" for name in ("llama", "mistral", "qwen2", "gemma2")}
+# A tiny Bloom (write it to a config.json): LayerNorms, ALiBi, transformers' eager attention, a
+# fused query_key_value projection and its own module names (dense, dense_h_to_4h, dense_4h_to_h,
+# word_embeddings).
+BLOOM_TINY = {"model_type": "bloom", "hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256}
 # llama-tiny shaped so that its activations are worth checkpointing (tests/plan/conftest.py).
 AC_LAYERS, AC_BATCH, AC_SEQ = 4, 8, 256
 

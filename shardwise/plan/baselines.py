@@ -112,7 +112,7 @@ def _tp_role(param: str, ndim: int, in_dim: int = 1) -> Placements:
 def _in_dim(traced: Traced, placeholder: str) -> int:
     """The dim of a 2-D weight that holds its input features: 0 where a forward matmul reads it
     as stored (GPT-2's Conv1D, ``[in, out]``), else 1 (a Linear's ``[out, in]``, read through a
-    transpose)."""
+    transpose; and any parameter no matmul reads)."""
     node = traced.node(placeholder)
     as_stored = any(is_op(u, *_MATMUL_OPS) and traced.phase(u) is Phase.FORWARD for u in node.users)
     return 0 if as_stored else 1
@@ -157,7 +157,7 @@ def _spec_or_refusal(name: str, traced: Traced, mesh: Mesh) -> BaselineSpec | st
         for d in dp_dims:
             per_dim[d] = Replicate() if name == "ddp" else Shard(0)
         if uses_tp:
-            per_dim[tp] = _tp_role(pname, val.dim(), _in_dim(traced, ph) if val.dim() == 2 else 1)[0]
+            per_dim[tp] = _tp_role(pname, val.dim(), _in_dim(traced, ph))[0]
         ps = on_mesh(tuple(per_dim), mesh.shape)
         if uses_tp and per_dim[tp] == Shard(0) and val.dim() == 2:
             ps = _fsdp_of_tp_shard(ps, dp_dims, tuple(val.shape), mesh.shape)

@@ -11,7 +11,7 @@ from shardwise.cli import main
 from shardwise.ir.trace import trace_model
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan.plan import NodeSpec, Plan, graph_fingerprint
-from tests.helpers import DATA, HF_TINY, cli, cli_all, failed_check, json_object
+from tests.helpers import BLOOM_TINY, DATA, HF_TINY, cli, cli_all, failed_check, json_object
 
 JSON_KEYS = {"world_size", "plan", "loss", "loss_ref", "max_rel_err", "tolerance", "collectives", "rewrites",
              "wall_s"}
@@ -42,11 +42,6 @@ def test_a_step_with_dropout_draws_the_references_masks(capsys, tmp_path):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["max_rel_err"] <= 1e-5
-
-
-# Bloom: LayerNorms, ALiBi, transformers' eager attention, a fused query_key_value projection and
-# its own module names (dense, dense_h_to_4h, dense_4h_to_h, word_embeddings).
-BLOOM_TINY = {"model_type": "bloom", "hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256}
 
 
 @pytest.mark.slow

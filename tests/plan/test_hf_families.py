@@ -21,7 +21,7 @@ from shardwise.passes.pipeline import canonicalize
 from shardwise.plan.baselines import baseline_spec
 from shardwise.plan.cluster import cluster
 from shardwise.plan.planner import NO_PLAN, plan_with_baselines
-from tests.helpers import DATA
+from tests.helpers import BLOOM_TINY, DATA
 
 FAMILIES = ("phi3.json", "qwen2_7b.json", "gemma_2b.json", "gemma2_2b.json", "gpt2.json", "pythia_1b4.json",
             "bloom_560m.json")
@@ -70,7 +70,7 @@ NAMED_OTHERWISE = {
     "gpt2": {"n_embd": 64, "n_head": 4, "n_layer": 1, "vocab_size": 256, "n_positions": 64},
     "gpt_neo": {"hidden_size": 64, "num_heads": 4, "num_layers": 1, "attention_types": [[["global"], 1]],
                 "vocab_size": 256, "max_position_embeddings": 64, "intermediate_size": 128},
-    "bloom": {"hidden_size": 64, "n_head": 4, "n_layer": 1, "vocab_size": 256},
+    "bloom": BLOOM_TINY,
     "phi": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 1,
             "vocab_size": 256, "max_position_embeddings": 64},
 }

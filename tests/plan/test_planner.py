@@ -16,6 +16,7 @@ from shardwise.passes.pipeline import canonicalize
 from shardwise.plan import BASELINES, Constraints, Plan, estimate, make_plan
 from shardwise.plan.cluster import cluster, regions
 from shardwise.plan.planner import no_plan_reason
+from tests.helpers import BLOOM_TINY
 
 MESH = Mesh((2,), hardware="h100")
 
@@ -208,11 +209,6 @@ def test_hf_llama_plans_without_fallbacks(hf_tiny_config):
     assert plan.fallback_ops == []
 
 
-# Bloom: LayerNorms (their weight and bias applied inside aten.native_layer_norm) and a fused
-# query_key_value projection.
-BLOOM_TINY = {"model_type": "bloom", "hidden_size": 64, "n_head": 4, "n_layer": 1, "vocab_size": 256}
-
-
 @pytest.mark.parametrize("model, projections", [("llama-tiny", 5), ("hf", 5), ("hf-layernorm", 2)])
 def test_sequence_parallel_baseline_gathers_right_before_each_column_projection(model, projections,
                                                                                  hf_tiny_config, tmp_path):
@@ -223,8 +219,8 @@ def test_sequence_parallel_baseline_gathers_right_before_each_column_projection(
     from shardwise.ir.flops import is_view
     from shardwise.plan.baselines import COLUMN
 
-    (tmp_path / "config.json").write_text(json.dumps(BLOOM_TINY))
     config = tmp_path / "config.json"
+    config.write_text(json.dumps(BLOOM_TINY))  # LayerNorms: weight and bias inside native_layer_norm
     name = {"llama-tiny": model, "hf": f"hf:{hf_tiny_config}", "hf-layernorm": f"hf:{config}"}[model]
     tr = trace_model(name, layers=1, batch=4, seq=16, dtype="bf16")
     canonicalize(tr)
