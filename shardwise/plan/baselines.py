@@ -225,17 +225,25 @@ def norm_nodes(traced: Traced) -> list[fx.Node]:
         if str(n.target).startswith("shardwise.") and "norm" in str(n.target) or is_op(n, *_LAYER_NORM_OPS):
             out += [n, *[x for x in tensor_args(n)[:1] if is_op(x, aten.add)]]
         elif rsqrt is not None and (x := mul_other(n, rsqrt)) is not None:
-            while cast_dtype(x) is not None:  # HF norms upcast their input
-                x = arg_node(x)
-            # ... and cast back to the model's dtype before the weight multiply.
+            if is_op(x, aten.sub.Tensor) and is_op(arg_node(x, 1), aten.mean.dim):
+                x = arg_node(x)  # a LayerNorm written out (Cohere's): (x - mean) * rsqrt(var + eps)
+            x = _uncast(x)  # HF norms upcast their input ...
+            # ... and cast back to the model's dtype before the weight multiply (or the weight up).
             heads = [n, *(u for u in n.users if cast_dtype(u) is not None)]
             scaled = [u for h in heads for u in h.users if traced.phase(u) is Phase.FORWARD
-                      and getattr(mul_other(u, h), "name", None) in weights]
+                      and getattr(_uncast(mul_other(u, h)), "name", None) in weights]
             # The residual stream where it is a sum (the embedding before the first norm keeps
             # its own placements: a vocabulary-parallel lookup yields partial sums).
             out += [x] if is_op(x, aten.add) else []
             out += [n, *scaled]
     return out
+
+
+def _uncast(node: fx.Node | None) -> fx.Node | None:
+    """``node`` before any dtype casts."""
+    while node is not None and cast_dtype(node) is not None:
+        node = arg_node(node)
+    return node
 
 
 def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placements, bool], bool]:

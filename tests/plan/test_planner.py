@@ -209,19 +209,26 @@ def test_hf_llama_plans_without_fallbacks(hf_tiny_config):
     assert plan.fallback_ops == []
 
 
-@pytest.mark.parametrize("model, projections", [("llama-tiny", 5), ("hf", 5), ("hf-layernorm", 2)])
+# Cohere: a LayerNorm written out, (x - mean) * rsqrt(var + eps), its weight upcast before the
+# multiply; attention and MLP read one norm's output.
+COHERE_TINY = {"model_type": "cohere", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 256}
+
+
+@pytest.mark.parametrize("model, projections", [("llama-tiny", 5), ("hf", 5), ("bloom", 2), ("cohere", 5)])
 def test_sequence_parallel_baseline_gathers_right_before_each_column_projection(model, projections,
                                                                                  hf_tiny_config, tmp_path):
     """fsdp_tp_sp: the value a column-parallel projection reads (the norm's output scaled by its
-    weight, bf16 HF norms casting in between, or a LayerNorm's output) is sequence-sharded on tp
-    and gathered by the projection itself, so the all_gather and the matmul are adjacent (what
-    collective-matmul fusion needs), in the training graph too."""
+    weight, bf16 HF norms casting in between; a LayerNorm's output, Bloom's inside
+    native_layer_norm, Cohere's written out) is sequence-sharded on tp and gathered by the
+    projection itself, so the all_gather and the matmul are adjacent (what collective-matmul
+    fusion needs), in the training graph too."""
     from shardwise.ir.flops import is_view
     from shardwise.plan.baselines import COLUMN
 
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(BLOOM_TINY))  # LayerNorms: weight and bias inside native_layer_norm
-    name = {"llama-tiny": model, "hf": f"hf:{hf_tiny_config}", "hf-layernorm": f"hf:{config}"}[model]
+    config.write_text(json.dumps({"bloom": BLOOM_TINY, "cohere": COHERE_TINY}.get(model, {})))
+    name = {"llama-tiny": model, "hf": f"hf:{hf_tiny_config}"}.get(model, f"hf:{config}")
     tr = trace_model(name, layers=1, batch=4, seq=16, dtype="bf16")
     canonicalize(tr)
     mesh = Mesh((2, 2), ("dp", "tp"))
@@ -242,7 +249,7 @@ def test_sequence_parallel_baseline_gathers_right_before_each_column_projection(
         assert plan.nodes[n.name].inputs[0][1] == Replicate(), n.name
         assert plan.nodes[src.name].output[0][1] == Shard(1), (n.name, src.name)
         checked += 1
-    assert checked >= projections  # q, k, v, gate, up (and the head); Bloom's qkv and h_to_4h
+    assert checked >= projections  # q, k, v, gate, up (and the head); Bloom's query_key_value, h_to_4h
 
 
 def test_fsdp_keeps_the_logits_and_the_loss_batch_split():
