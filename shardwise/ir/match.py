@@ -171,6 +171,13 @@ def cast_dtype(node: object) -> torch.dtype | None:
     return node.kwargs.get("dtype")
 
 
+def through_casts(node: fx.Node | None) -> fx.Node | None:
+    """``node`` before any pure dtype casts (``cast_dtype``) that lead to it."""
+    while node is not None and cast_dtype(node) is not None:
+        node = arg_node(node)
+    return node
+
+
 def mul_other(mul: fx.Node, one: fx.Node) -> fx.Node | None:
     """The other operand of ``mul(one, other)`` / ``mul(other, one)``."""
     if not is_op(mul, aten.mul.Tensor) or len(mul.args) != 2:

@@ -84,6 +84,7 @@ from shardwise.ir.match import (
     CollectiveKind,
     input_closure,
     is_getitem,
+    is_op,
     is_wait,
     schema_arg,
 )
@@ -210,7 +211,7 @@ def marks_attention(node: fx.Node) -> bool:
     """Where a block's attention is, for finding blocks and layers: a fused kernel, or the
     softmax of an eager attention (transformers' for architectures without SDPA, such as
     Gemma-2; the loss's is a log_softmax)."""
-    return is_attention(node) or (node.op == "call_function" and node.target is aten._softmax.default)
+    return is_attention(node) or is_op(node, aten._softmax.default)
 
 
 def collective_kind(node: fx.Node) -> CollectiveKind | None:

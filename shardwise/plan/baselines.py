@@ -50,7 +50,7 @@ from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardwise.ir.flops import is_view
-from shardwise.ir.match import arg_node, cast_dtype, is_op, mul_other
+from shardwise.ir.match import arg_node, cast_dtype, is_op, mul_other, through_casts
 from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh
 from shardwise.plan.placement import Placements, on_mesh, placements_str
@@ -227,23 +227,16 @@ def norm_nodes(traced: Traced) -> list[fx.Node]:
         elif rsqrt is not None and (x := mul_other(n, rsqrt)) is not None:
             if is_op(x, aten.sub.Tensor) and is_op(arg_node(x, 1), aten.mean.dim):
                 x = arg_node(x)  # a LayerNorm written out (Cohere's): (x - mean) * rsqrt(var + eps)
-            x = _uncast(x)  # HF norms upcast their input ...
+            x = through_casts(x)  # HF norms upcast their input ...
             # ... and cast back to the model's dtype before the weight multiply (or the weight up).
             heads = [n, *(u for u in n.users if cast_dtype(u) is not None)]
             scaled = [u for h in heads for u in h.users if traced.phase(u) is Phase.FORWARD
-                      and getattr(_uncast(mul_other(u, h)), "name", None) in weights]
+                      and getattr(through_casts(mul_other(u, h)), "name", None) in weights]
             # The residual stream where it is a sum (the embedding before the first norm keeps
             # its own placements: a vocabulary-parallel lookup yields partial sums).
             out += [x] if is_op(x, aten.add) else []
             out += [n, *scaled]
     return out
-
-
-def _uncast(node: fx.Node | None) -> fx.Node | None:
-    """``node`` before any dtype casts."""
-    while node is not None and cast_dtype(node) is not None:
-        node = arg_node(node)
-    return node
 
 
 def node_filter(spec: BaselineSpec, traced: Traced) -> Callable[[fx.Node, Placements, bool], bool]:
