@@ -7,6 +7,12 @@ scale) with CUDA events, and prints predicted / measured per case (target: withi
 Without CUDA it says so and runs the same comparison on the CPU against the ``cpu`` spec, with
 sizes small enough for a laptop. Pass the spec of the device you run on: the cost model never
 asks the device its name.
+
+Measured (2026-11-27, one NVIDIA H100 80GB HBM3, PyTorch 2.11.0+cu130, ``--hardware h100``, bf16),
+predicted / measured: matmul 512^3 0.14, 1024^3 0.22, 2048^3 0.62, 4096^3 0.92, 8192^3 0.99
+(1392.7 against 1400.1 us); add, copy and scale of 64 MiB 0.83-0.92, of 256 MiB 0.94-0.99, of
+1 GiB 0.99-1.01; 11 of 14 within +-25%. The three misses are matmuls of 25-40 us measured, one
+call between two events: the launch and the events' own cost, which a step's queued kernels hide.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ batch -> ``--check`` trains the same steps in one process in fp32 meanwhile and 
 run N times, the gradients summed before the optimizer step (the reference takes the batch whole).
 
 ``--json`` prints one object: ``losses`` (one per step run), ``first_step``, ``tokens_per_s``,
-``step_s``, ``world_size``, ``plan``, ``checkpoints``, and with ``--check`` ``reference_losses``,
+``step_s``, ``world_size``, ``plan``, ``checkpoints``, on GPUs rank 0's ``memory_reserved_peak_bytes``
+(``torch.cuda.max_memory_reserved``), and with ``--check`` ``reference_losses``,
 ``max_rel_diff`` and the ``tolerance`` it must stay within (else exit 1). On a terminal (never
 with ``--json``) a progress bar shows step, loss, tokens/s and the time left. ``--save-dir`` also
 gets ``metrics.jsonl`` and ``loss.png``.

@@ -72,7 +72,10 @@ log = logging.getLogger(__name__)
 
 # ``SPMDProgram.node_collectives`` key of the collectives that deliver the graph's outputs.
 OUTPUT_KEY = "<output>"
-_MESH_GET_GROUP = torch.ops._dtensor.mesh_get_process_group.default
+# How DTensor's own traced programs fetch a mesh dim's group (PyTorch 2.13; older versions, as a
+# GPU image may hold, have no such op and never trace one).
+_MESH_GET_GROUP = (torch.ops._dtensor.mesh_get_process_group.default
+                   if hasattr(torch.ops._dtensor, "mesh_get_process_group") else None)
 # The schema argument by which c10d collectives and shardwise's fused ops name their group.
 GROUP_NAME_ARG = "group_name"
 # DTensor warns on stderr of every move it runs as one collective per mesh dim where a flattened

@@ -119,7 +119,8 @@ class RunError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.details = details  # the failing rank's traceback, when it sent one
-        self.stacks = stacks  # the file where a hung rank wrote its threads' stacks, if it did
+        # The file where a hung rank wrote its threads' stacks, or a failed one's traceback went.
+        self.stacks = stacks
 
 
 @dataclass
@@ -315,9 +316,13 @@ def _device_for(backend: str, rank: int) -> torch.device:
 
 
 def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
-    """Make factory ops and constants of a CPU-lowered graph create their tensors on ``device``."""
+    """Make factory ops and constants of a CPU-lowered graph create their tensors on ``device``,
+    and its CPU-only kernels run as their portable twins (``ir/ops/attention.make_portable``)."""
+    from shardwise.ir.ops.attention import make_portable
+
     if device.type == "cpu":
         return
+    make_portable(gm)
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device):
             n.kwargs = {**n.kwargs, "device": device}
@@ -625,7 +630,10 @@ def _collect(results, procs, world: int, deadline: float, timeout_s: float, on_m
     if own:
         rank = min(own)
         tail = f"; rank(s) {', '.join(map(str, silent))} did not finish" if silent else ""
-        raise RunError(f"rank {rank} failed: {errors[rank][0]}{tail}.", rank, errors[rank][1])
+        path = _write_traceback(stacks, rank, errors[rank][1])
+        where = f"; its traceback is in {path}" if path else ""
+        raise RunError(f"rank {rank} failed: {errors[rank][0]}{tail}{where}.", rank, errors[rank][1],
+                       stacks=path)
     if silent:
         # Nobody failed on its own: the silent rank hung and the others (if any) gave up on it.
         waiting = (f" while rank(s) {', '.join(map(str, sorted(errors)))} timed out waiting for it"
@@ -637,8 +645,21 @@ def _collect(results, procs, world: int, deadline: float, timeout_s: float, on_m
                        stacks=path if dumped else None)
     if errors:
         rank = min(errors)
-        raise RunError(f"rank {rank} failed: {errors[rank][0]}.", rank, errors[rank][1])
+        path = _write_traceback(stacks, rank, errors[rank][1])
+        where = f"; its traceback is in {path}" if path else ""
+        raise RunError(f"rank {rank} failed: {errors[rank][0]}{where}.", rank, errors[rank][1], stacks=path)
     return [done[r] for r in range(world)]
+
+
+def _write_traceback(stacks: str | None, rank: int, details: str) -> str | None:
+    """The file in ``stacks`` that now holds a failed rank's traceback (None where it sent none):
+    the error is one sentence, and what lies under it is one file away."""
+    if stacks is None or not details:
+        return None
+    path = os.path.join(stacks, f"rank{rank}-traceback.txt")
+    with open(path, "w") as f:
+        f.write(details)
+    return path
 
 
 def _own_errors(errors: dict[int, tuple[str, str]]) -> list[int]:

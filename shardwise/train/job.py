@@ -115,7 +115,12 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
 
     res = train_steps(step_fn, pm, opts, opt, sched, tokens_per_step=job.tokens_per_step, first_step=first,
                       save=save if opts.save_dir else None, on_step=on_step)
-    return _summary(res, pm.plan.name) if is_rank0() else {}
+    if not is_rank0():
+        return {}
+    out = _summary(res, pm.plan.name)
+    if device.type == "cuda":  # what torchtitan reports as peak memory, and what OOMs
+        out["memory_reserved_peak_bytes"] = torch.cuda.max_memory_reserved(device)
+    return out
 
 
 def _start(job: TrainJob, module, optimizer, scheduler, init_weights: Callable[[int], None],

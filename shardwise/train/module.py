@@ -426,7 +426,10 @@ class ParallelModule(nn.Module):
         compiled = self._state["compile"]
 
         def lowered() -> SPMDProgram:
-            program = lower_on(traced, plan, self.device_mesh, rank=dist.get_rank(), device="cpu")
+            # On the mesh's device: DTensor moves every local piece there, so a factory op or a
+            # cast that named another device would mix two.
+            program = lower_on(traced, plan, self.device_mesh, rank=dist.get_rank(),
+                               device=self.device_mesh.device_type)
             program.apply_passes(list(self._state["passes"]))
             if traced.train and self._state["ac"] is not ACPolicy.NONE:
                 program.rewrites["remat"] = remat.apply(program.gm, self._state["ac"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from torch.distributed.tensor import Replicate
@@ -178,4 +179,6 @@ def test_a_failed_rank_exits_nonzero_naming_it(capsys, monkeypatch):
         main(["run", *TINY, "--mesh", "2", "--plan", "ddp", "--json"])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == "shardwise run: error: rank 1 failed: RuntimeError: planted fault on rank 1."
+    said, where = err.split("; its traceback is in ")
+    assert said == "shardwise run: error: rank 1 failed: RuntimeError: planted fault on rank 1"
+    assert "planted fault" in Path(where.removesuffix(".")).read_text()

@@ -142,6 +142,11 @@ def test_a_rank_that_raises_ends_the_run_naming_it():
     assert err.value.rank == 1
     assert time.monotonic() - t0 < 60
     assert set(_children()) - before == set()
+    # The error is one sentence; the rank's traceback is in the file it names.
+    traceback = Path(err.value.stacks)
+    assert str(traceback) in str(err.value)
+    assert "planted fault" in traceback.read_text() and "Traceback" in traceback.read_text()
+    shutil.rmtree(traceback.parent)
 
 
 def test_a_rank_that_hangs_ends_the_run_naming_it():

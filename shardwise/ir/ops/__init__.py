@@ -6,4 +6,4 @@ with ``torch.utils.flop_counter.register_flop_formula`` and its bytes in ``ir/fl
 Importing this package registers every op.
 """
 
-from shardwise.ir.ops import collective_matmul, norms, segment  # noqa: F401  (registers the ops)
+from shardwise.ir.ops import attention, collective_matmul, norms, segment  # noqa: F401  (registers the ops)
