@@ -1,7 +1,7 @@
 """A real training step on one device against ``shardwise estimate`` of the same step.
 
     .venv/bin/python benchmarks/device_step.py [--cases llama3-8b:2:1:4096:bf16,...] [--steps 6]
-        [--hardware h100] [--json]
+        [--hardware h100] [--compile] [--json]
 
 Each case (``model:layers:batch:seq:dtype``) runs as users run it, one subprocess per command:
 
@@ -11,6 +11,9 @@ Each case (``model:layers:batch:seq:dtype``) runs as users run it, one subproces
   torchtitan launches;
 - ``shardwise estimate --mesh 1 --plan ddp --json`` with ``--hardware``: the step schedule's
   step and reserved peak.
+
+``--compile`` passes ``--compile`` to both: the step through ``torch.compile`` (compiled in the
+first, untimed step), and the estimate's memory-bound work priced as Inductor's fused kernels.
 
 It prints both and their ratio (estimated / measured). Without CUDA it runs the default CPU case
 against the ``cpu`` spec (a check of the plumbing, not of the model: a laptop's CPU is no spec).
@@ -22,14 +25,16 @@ the weights, gradients and AdamW state in bf16; the fp32 cases have no such diff
 Measured (2026-11-27, one NVIDIA H100 80GB HBM3 lent to the session, its image's PyTorch 2.11.0
 +cu130, ``--steps 6``, spec ``h100``; the first fp32 run, 30 minutes earlier, read 579.950 ms):
 
-| case                     | measured ms | estimated ms | est / meas | reserved GiB, measured | estimated |
-| ------------------------ | ----------- | ------------ | ---------- | ---------------------- | --------- |
-| llama3-8b:2:1:4096:bf16  | 64.787      | 59.287       | 0.915      | 18.014                 | 28.168    |
-| llama3-8b:4:2:4096:bf16  | 171.240     | 146.779      | 0.857      | 31.592                 | 42.367    |
-| llama3-8b:2:1:4096:fp32  | 576.020     | 487.691      | 0.847      | 28.695                 | 28.068    |
+| case                      | measured ms | estimated ms | est / meas | reserved GiB, measured | estimated |
+| ------------------------- | ----------- | ------------ | ---------- | ---------------------- | --------- |
+| llama3-8b:2:1:4096:bf16   | 64.787      | 59.287       | 0.915      | 18.014                 | 28.168    |
+| llama3-8b:4:2:4096:bf16   | 171.240     | 146.779      | 0.857      | 31.592                 | 42.367    |
+| llama3-8b:2:1:4096:fp32   | 576.020     | 487.691      | 0.847      | 28.695                 | 28.068    |
+| ... bf16, ``--compile`` * | 55.884      | 56.447       | 1.010      | 15.045                 | 28.070    |
 
-The estimate is 8-15% fast, and reads fp32 memory within 2.2%. The bf16 memory gap is the
-mixed-precision difference above: 8 bytes more per parameter (fp32 master weights and gradients,
+(* ``llama3-8b:2:1:4096:bf16 --compile --steps 5``, on another H100 of the same kind.) Eager, the
+estimate is 8-15% fast; compiled, 1% slow. It reads fp32 memory within 2.2%. The bf16 memory
+gap is the mixed-precision difference above: 8 bytes more per parameter (fp32 master weights and gradients,
 fp32 Adam moments), 11.1 GiB over 2 layers' 1.49 B parameters and 14.3 GiB over 4 layers' 1.92 B;
 less that, the estimate reads 17.1 and 28.0 GiB.
 """
@@ -57,16 +62,17 @@ def _shardwise(args: list[str], env: dict[str, str] | None = None) -> dict:
     return json.loads(out.stdout)
 
 
-def measure(case: str, steps: int, hardware: str, cuda: bool) -> dict:
+def measure(case: str, steps: int, hardware: str, cuda: bool, compile: bool = False) -> dict:
     model, layers, batch, seq, dtype = case.split(":")
     common = ["--model", model, "--layers", layers, "--batch", batch, "--seq", seq, "--dtype", dtype,
-              "--mesh", "1", "--plan", "ddp"]
+              "--mesh", "1", "--plan", "ddp", *(["--compile"] if compile else [])]
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     ran = _shardwise(["train", *common, "--steps", str(steps), "--backend", "nccl" if cuda else "gloo",
                       "--hardware", hardware], env)
     est = _shardwise(["estimate", *common, "--hardware", hardware])
-    row = {"case": case, "measured_ms": ran["step_s"] * 1e3, "estimated_ms": est["step_s"] * 1e3,
-           "ratio": est["step_s"] / ran["step_s"], "tokens_per_s": ran["tokens_per_s"],
+    row = {"case": case + (" compiled" if compile else ""), "measured_ms": ran["step_s"] * 1e3,
+           "estimated_ms": est["step_s"] * 1e3, "ratio": est["step_s"] / ran["step_s"],
+           "tokens_per_s": ran["tokens_per_s"],
            "estimated_reserved_gib": est["memory_reserved_peak_bytes"] / GIB}
     if "memory_reserved_peak_bytes" in ran:
         row["measured_reserved_gib"] = ran["memory_reserved_peak_bytes"] / GIB
@@ -81,6 +87,8 @@ def main() -> None:
     ap.add_argument("--cases", default=None, help=f"default: {GPU_CASES} on CUDA, {CPU_CASES} otherwise")
     ap.add_argument("--steps", type=int, default=6, help="training steps per case (the first is not timed)")
     ap.add_argument("--hardware", default=None, help="spec the estimate prices (default: h100 on CUDA, cpu)")
+    ap.add_argument("--compile", action="store_true",
+                    help="train through torch.compile, and price memory-bound work as its fused kernels")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -91,7 +99,7 @@ def main() -> None:
     rows = []
     for case in cases.split(","):
         try:
-            rows.append(measure(case, args.steps, hardware, cuda))
+            rows.append(measure(case, args.steps, hardware, cuda, args.compile))
         except RuntimeError as e:
             print(f"{case}: {e}", file=sys.stderr)
     if args.json:
