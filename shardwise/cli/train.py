@@ -72,6 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_check_options(p, "compare the loss curve with the same steps in one fp32 process")
     p.add_argument("--compile", action="store_true",
                    help="run each rank's step through torch.compile (Inductor) instead of op by op")
+    p.add_argument("--master-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="dtype the weights, their gradients and AdamW's state are kept in; each step "
+                        "computes in --dtype (default fp32: mixed precision, as torchtitan trains)")
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds the planner may solve")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a silent rank counts as hung")
     p.set_defaults(handler=run)
@@ -129,6 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     passes = parse_passes(args.passes)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
     check = _Check(check_tolerance(spec.dtype, args.tolerance), spec.dtype) if args.check else None
+    _check_master_dtype(args.master_dtype, spec.dtype)
     if spec.batch % args.grad_accum:
         raise UserError(f"batch {spec.batch} cannot be split into {args.grad_accum} micro-batches; use a "
                         "--batch that --grad-accum divides.")
@@ -136,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
     job = TrainJob(model=args.model, layers=args.layers, batch=spec.batch, seq=spec.seq, dtype=args.dtype,
                    mesh=mesh, plan=args.plan, passes=passes, source=None, options=opts,
                    backend=args.backend, time_limit_s=args.time_limit, ac=args.ac, compile=args.compile,
-                   grad_accum=args.grad_accum)
+                   grad_accum=args.grad_accum, master_dtype=args.master_dtype)
     if opts.resume:
         path = checkpoint.latest(opts.resume)
         meta = checkpoint.read_meta(path)
@@ -163,6 +167,16 @@ def run(args: argparse.Namespace) -> dict:
         sys.stderr.write(f"shardwise train: error: {e}\n")
         raise SystemExit(RANK_FAILED_EXIT) from None
     return _finish(args, job, res, ref, check, t0)
+
+
+def _check_master_dtype(name: str, model_dtype: torch.dtype) -> None:
+    """Master weights at least as wide as the model's: narrower ones would round every update."""
+    from shardwise.models import DTYPES
+
+    if DTYPES[name].itemsize < model_dtype.itemsize:
+        model = next(k for k, v in DTYPES.items() if v == model_dtype)
+        raise UserError(f"--master-dtype {name} is narrower than the model's {model}; keep the weights in "
+                        f"{model} or wider.")
 
 
 def _plan_here(args: argparse.Namespace, job):
@@ -243,7 +257,8 @@ def _finish(args: argparse.Namespace, job, res: dict, ref: list[float] | None, c
             t0: float) -> dict:
     out = {"world_size": job.mesh.size, "mesh": list(job.mesh.shape), "mesh_names": list(job.mesh.names),
            "plan": args.plan if args.plan in PLAN_CHOICES else res["plan"], "model": args.model, "ac": job.ac,
-           "compile": job.compile, "batch": job.batch, "grad_accum": job.grad_accum,
+           "compile": job.compile, "master_dtype": job.master_dtype, "batch": job.batch,
+           "grad_accum": job.grad_accum,
            "data": job.source.describe(), "init_from": job.options.init_from, **res,
            "wall_s": round(time.perf_counter() - t0, 3)}
     if ref is not None:

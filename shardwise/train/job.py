@@ -41,6 +41,7 @@ class TrainJob:
     ac: str = "none"
     compile: bool = False
     grad_accum: int = 1  # micro-batches a step's batch is split into, their gradients summed
+    master_dtype: str | None = None  # the weights', gradients' and optimizer state's dtype (None: dtype's)
 
     @property
     def micro_batch(self) -> int:
@@ -65,6 +66,7 @@ class TrainJob:
 
 def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dict:
     """Train on this process's rank (the process group is up, or torchrun's environment is set)."""
+    from shardwise.models import parse_dtype
     from shardwise.plan.plan import Plan
     from shardwise.train.models import meta_inputs
     from shardwise.train.module import parallelize
@@ -76,7 +78,7 @@ def run_rank(job: TrainJob, send: Callable[[object], None] | None = None) -> dic
     plan = Plan.from_json(job.plan) if isinstance(job.plan, dict) else job.plan
     pm = parallelize(model, job.mesh, meta_inputs(spec), plan=plan, passes=job.passes,
                      time_limit_s=job.time_limit_s, backend=job.backend, hardware=job.mesh.hardware,
-                     ac=job.ac, compile=job.compile)
+                     ac=job.ac, compile=job.compile, master_dtype=parse_dtype(job.master_dtype))
     opts = job.options
     opt, sched = make_optimizer(pm.parameters(), opts)
     first = _start(job, pm, opt, sched, pm.init_weights, pm.load_weights)

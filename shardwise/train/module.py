@@ -37,7 +37,7 @@ import inspect
 import math
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
@@ -289,10 +289,10 @@ class _Step(torch.autograd.Function):
     def forward(ctx, runner: _Program, inputs: tuple[torch.Tensor, ...], *params: DTensor) -> torch.Tensor:
         # The local shards themselves: to_local()'s autograd node is of no use inside a Function
         # (autograd sees only this Function) and costs a Python call per parameter each step.
-        outs = runner.run(*[p._local_tensor for p in params], *inputs)
+        outs = runner.run(*runner.computed(p._local_tensor for p in params), *inputs)
         loss = outs[0]
         ctx.grads = [None if spec is None else (g, spec)
-                     for g, spec in zip(outs[1:], runner.grad_specs(outs[1:]), strict=True)]
+                     for g, spec in zip(outs[1:], runner.grad_specs(outs[1:], params), strict=True)]
         ctx.params = params
         return loss.detach().clone()
 
@@ -311,6 +311,7 @@ class _Step(torch.autograd.Function):
                 continue
             g, spec = item
             g = g if scale is None else g * scale.to(g.dtype)
+            g = g if g.dtype == p.dtype else g.to(p.dtype)  # into the master weights' dtype
             # DTensor.__new__ alone: its __init__ does nothing but pass through a dynamo guard.
             grad = DTensor.__new__(DTensor, g, spec, requires_grad=False)
             if direct and node is not None and _no_grad_hooks(p) and torch._C._will_engine_execute_node(node):
@@ -357,17 +358,27 @@ class _Program:
     _grad_specs: dict[tuple[int, torch.dtype], DTensorSpec] = field(default_factory=dict)
     _owners: list[tuple[nn.Module, str]] | None = None  # (module, attribute) of each parameter
     draws: bool = False  # it draws random numbers (dropout masks)
+    # The dtype the program reads each parameter in (its trace's); a master weight kept in
+    # another dtype is cast to it every step (``computed``).
+    compute_dtypes: list[torch.dtype] = field(default_factory=list)
 
-    def grad_specs(self, grads: Sequence[torch.Tensor | None]) -> list[DTensorSpec | None]:
-        """Each gradient's DTensor spec (its layout on the mesh), built once per layout."""
+    def computed(self, locals_: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters' local shards as the program reads them: cast where the master
+        weights are kept in another dtype (as FSDP2 casts its shard before gathering it)."""
+        return [t if t.dtype == d else t.to(d) for t, d in zip(locals_, self.compute_dtypes, strict=True)]
+
+    def grad_specs(self, grads: Sequence[torch.Tensor | None],
+                   params: Sequence[torch.Tensor]) -> list[DTensorSpec | None]:
+        """Each gradient's DTensor spec (its layout on the mesh, in its parameter's dtype), built
+        once per layout."""
         out: list[DTensorSpec | None] = []
-        for i, (g, lay) in enumerate(zip(grads, self.grad_layouts, strict=True)):
+        for i, (g, lay, p) in enumerate(zip(grads, self.grad_layouts, params, strict=True)):
             if g is None or lay is None:
                 out.append(None)
                 continue
-            key = (i, g.dtype)
+            key = (i, p.dtype)
             if key not in self._grad_specs:
-                self._grad_specs[key] = lay.dtensor_spec(self.device_mesh, g.dtype)
+                self._grad_specs[key] = lay.dtensor_spec(self.device_mesh, p.dtype)
             out.append(self._grad_specs[key])
         return out
 
@@ -391,7 +402,7 @@ class ParallelModule(nn.Module):
     def __init__(self, model: nn.Module, traced_model: nn.Module, device_mesh: DeviceMesh, mesh: Mesh,
                  traced: Traced, plan: Plan, *, passes: Sequence[str], prefix: str, time_limit_s: float,
                  model_name: str, n_eval_inputs: int, ac: ACPolicy = ACPolicy.NONE,
-                 compile: bool = False) -> None:
+                 compile: bool = False, master_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         # The user's submodules under their own names (no wrapper prefix); top-level parameters
         # of the model itself are registered on this module below.
@@ -400,7 +411,7 @@ class ParallelModule(nn.Module):
         self._state = {"model": model, "traced_model": traced_model, "mesh": mesh, "traced": traced,
                        "prefix": prefix, "passes": tuple(passes), "time_limit_s": time_limit_s,
                        "model_name": model_name, "n_eval_inputs": n_eval_inputs, "ac": ac,
-                       "compile": compile}
+                       "compile": compile, "master_dtype": master_dtype}
         self.device_mesh = device_mesh
         self.plan = plan
         if device_mesh.device_type == "cpu":
@@ -468,7 +479,8 @@ class ParallelModule(nn.Module):
                     raise UserError(f"the plan delivers the gradient of {k} in another placement than "
                                     "the parameter; plan it again.")
                 grad_layouts.append(lay)
-        return _Program(program, self.device_mesh, module, names, inputs, grad_layouts, run, draws=draws)
+        return _Program(program, self.device_mesh, module, names, inputs, grad_layouts, run, draws=draws,
+                        compute_dtypes=[lays[k].dtype for k in names])
 
     def _eval_program(self) -> _Program:
         if self._eval_prog is None:
@@ -510,12 +522,14 @@ class ParallelModule(nn.Module):
             mod_name, _, attr = full_name.rpartition(".")
             owners.setdefault(id(p), []).append((model.get_submodule(mod_name), attr))
         device = torch.device(self.device_mesh.device_type)
+        master = self._state["master_dtype"]
         for name, p in list(model.named_parameters()):
             lay = lays[name]
+            dtype = master if master is not None and lay.dtype.is_floating_point else lay.dtype
             if p.is_meta:
-                local = torch.full(lay.local_shape(), float("nan"), dtype=lay.dtype, device=device)
+                local = torch.full(lay.local_shape(), float("nan"), dtype=dtype, device=device)
             else:
-                local = lay.shard(p.detach(), coord).to(device)
+                local = lay.shard(p.detach(), coord).to(device, dtype)
             new = nn.Parameter(lay.to_dtensor(local, self.device_mesh), requires_grad=p.requires_grad)
             for mod, attr in owners[id(p)]:
                 setattr(mod, attr, new)
@@ -588,7 +602,7 @@ class ParallelModule(nn.Module):
             return _Step.apply(prog, tuple(local_inputs), *prog.parameters())
         prog = self._eval_program()
         _check_local(prog, local_inputs, "inference")
-        outs = prog.run(*[p.to_local() for p in prog.parameters()], *local_inputs)
+        outs = prog.run(*prog.computed(p.to_local() for p in prog.parameters()), *local_inputs)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         res = [lay.to_dtensor(o, self.device_mesh) if lay is not None else o
                for o, lay in zip(outs, prog.program.outputs, strict=True)]
@@ -693,7 +707,7 @@ def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
                 loss_fn: Callable | None = None, passes: Sequence[str] = (), time_limit_s: float = 60.0,
                 mesh_names: Sequence[str] | None = None, backend: str = "gloo", hardware: str = "h100",
                 n_eval_inputs: int | None = None, ac: ACPolicy | str = "none",
-                compile: bool = False) -> ParallelModule:
+                compile: bool = False, master_dtype: torch.dtype | None = None) -> ParallelModule:
     """Plan, lower and bind ``model`` on ``mesh``; see the module docstring.
 
     ``model``: an ``nn.Module`` whose forward returns the scalar loss (or whose outputs
@@ -705,7 +719,11 @@ def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
     model's forward) takes; by default all but the last, the labels. ``ac``: activation
     checkpointing of the training program (``none``, ``selective``, ``full``: the remat pass,
     after ``passes``). ``compile``: run each per-rank program through ``torch.compile``
-    (Inductor) instead of op by op.
+    (Inductor) instead of op by op. ``master_dtype``: keep the floating-point parameters, their
+    gradients and so the optimizer's state in this dtype (e.g. ``torch.float32`` for a bf16
+    model: torchtitan's mixed precision); each step casts the local shards to the model's dtype
+    before the program reads them, and its gradients back (the program's own gradient
+    collectives run in the model's dtype). None: the model's own dtype.
     """
     from shardwise.passes import parse_passes
     from shardwise.plan.baselines import BASELINES
@@ -746,4 +764,4 @@ def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
     check_plan(traced, chosen)
     return ParallelModule(model, traced_model, device_mesh, abstract, traced, chosen, passes=passes,
                           prefix=prefix, time_limit_s=time_limit_s, model_name=model_name,
-                          n_eval_inputs=n_eval_inputs, ac=policy, compile=compile)
+                          n_eval_inputs=n_eval_inputs, ac=policy, compile=compile, master_dtype=master_dtype)

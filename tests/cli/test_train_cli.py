@@ -150,12 +150,23 @@ def test_train_compiled_matches_one_process():
 
 @pytest.mark.slow
 def test_a_curve_off_the_reference_by_more_than_the_tolerance_fails_the_command():
-    """bf16 training asked for fp32's tolerance fails the check (bf16's own default is run's test):
-    exit 1, one sentence, the result still printed."""
-    proc = cli("train", "--json", "--model", "llama-tiny", "--layers", "1", "--dtype", "bf16", "--mesh", "2",
-               "--plan", "ddp", "--steps", "3", "--check", "--tolerance", "1e-4")
+    """bf16 training in bf16 weights asked for fp32's tolerance fails the check (bf16's own
+    default is run's test): exit 1, one sentence, the result still printed. The same steps with
+    fp32 master weights (the default: mixed precision) keep within it."""
+    bf16 = ("--model", "llama-tiny", "--layers", "1", "--dtype", "bf16", "--mesh", "2", "--plan", "ddp",
+            "--steps", "3", "--check", "--tolerance", "1e-4")
+    proc = cli("train", "--json", *bf16, "--master-dtype", "bf16")
     out = failed_check(proc, "max_rel_diff", "shardwise train: check failed: the loss curve is")
     assert len(out["losses"]) == len(out["reference_losses"]) == 3
+    mixed = train(*bf16)
+    assert mixed["master_dtype"] == "fp32" and mixed["max_rel_diff"] <= 1e-4 < out["max_rel_diff"]
+
+
+def test_master_weights_narrower_than_the_model_are_refused():
+    proc = cli("train", "--json", "--model", "llama-tiny", "--mesh", "2", "--master-dtype", "bf16")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("shardwise train: error: --master-dtype bf16 is narrower than the model's fp32; "
+                           "keep the weights in fp32 or wider.\n")
 
 
 def test_options_alone_are_refused_before_torch_is_imported(tmp_path):

@@ -149,6 +149,40 @@ def test_one_device_module_is_the_model(one_process_group):
         assert torch.allclose(p.grad.full_tensor(), grads[k], rtol=1e-4, atol=1e-6), k
 
 
+def test_fp32_master_weights_of_a_bf16_model_keep_the_updates_bf16_rounds_away(one_process_group):
+    """master_dtype=fp32: the parameters, their gradients and AdamW's moments are fp32 while the
+    program computes in bf16 (the same loss as with bf16 weights); so an update under bf16's
+    resolution (1e-4 on LayerNorm scales of 1, bf16's spacing there 2^-8) still lands, where in
+    bf16 weights it rounds away."""
+    import shardwise.train as sw
+
+    idx, tgt = gpt2.batch(0)
+
+    def model() -> gpt2.GPT2:
+        torch.manual_seed(0)
+        return gpt2.GPT2().to(torch.bfloat16)
+
+    want = gpt2.loss_fn(model()(idx), idx, tgt)
+    moved, losses = {}, {}
+    for master in (torch.float32, None):
+        pm = sw.parallelize(model(), "1", [idx, tgt], plan="ddp", loss_fn=gpt2.loss_fn, time_limit_s=20,
+                            master_dtype=master)
+        loss = pm(*pm.shard_inputs(idx, tgt))
+        loss.backward()
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, weight_decay=0.0)
+        opt.step()
+        scale = pm.get_parameter("h.0.ln_1.weight")
+        dtype = master or torch.bfloat16
+        assert scale.dtype == scale.grad.dtype == opt.state[scale]["exp_avg"].dtype == dtype
+        moved[dtype] = float((scale.detach().full_tensor().double() - 1.0).abs().max())
+        losses[dtype] = loss
+    assert losses[torch.float32].dtype == torch.bfloat16
+    assert torch.equal(losses[torch.float32], losses[torch.bfloat16])
+    assert torch.allclose(losses[torch.float32], want, rtol=1e-2)
+    assert moved[torch.float32] == pytest.approx(1e-4, rel=0.05)  # Adam's first step: lr * sign(grad)
+    assert moved[torch.bfloat16] == 0.0
+
+
 class _TorchAttention(torch.nn.Module):
     """Attention from torch.nn (no ``layers.N`` in its parameters' names): the planner finds no
     decoder layer to checkpoint, the remat pass one attention block."""
