@@ -18,12 +18,14 @@ first, untimed step), and the estimate's memory-bound work priced as Inductor's 
 It prints both and their ratio (estimated / measured). Without CUDA it runs the default CPU case
 against the ``cpu`` spec (a check of the plumbing, not of the model: a laptop's CPU is no spec).
 
-Known difference: for a bf16 model the estimate prices torchtitan's mixed precision (fp32 master
-weights, gradients reduced in fp32, fp32 Adam state), while ``shardwise train --dtype bf16`` keeps
-the weights, gradients and AdamW state in bf16; the fp32 cases have no such difference.
+For a bf16 model both sides run torchtitan's mixed precision (fp32 master weights, gradients and
+Adam state; ``train``'s default ``--master-dtype fp32``), with one difference left: the estimate
+reduces gradients in fp32, ``train``'s program in bf16 (on one device there is nothing to reduce).
 
 Measured (2026-11-27, one NVIDIA H100 80GB HBM3 lent to the session, its image's PyTorch 2.11.0
-+cu130, ``--steps 6``, spec ``h100``; the first fp32 run, 30 minutes earlier, read 579.950 ms):
++cu130, ``--steps 6``, spec ``h100``; the first fp32 run, 30 minutes earlier, read 579.950 ms).
+The bf16 rows ran before mixed precision became ``train``'s default: weights, gradients and AdamW
+state in bf16, as ``--master-dtype bf16`` runs them now:
 
 | case                      | measured ms | estimated ms | est / meas | reserved GiB, measured | estimated |
 | ------------------------- | ----------- | ------------ | ---------- | ---------------------- | --------- |
@@ -34,9 +36,9 @@ Measured (2026-11-27, one NVIDIA H100 80GB HBM3 lent to the session, its image's
 
 (* ``llama3-8b:2:1:4096:bf16 --compile --steps 5``, on another H100 of the same kind.) Eager, the
 estimate is 8-15% fast; compiled, 1% slow. It reads fp32 memory within 2.2%. The bf16 memory
-gap is the mixed-precision difference above: 8 bytes more per parameter (fp32 master weights and gradients,
-fp32 Adam moments), 11.1 GiB over 2 layers' 1.49 B parameters and 14.3 GiB over 4 layers' 1.92 B;
-less that, the estimate reads 17.1 and 28.0 GiB.
+gap is the bf16 weights those runs kept: the estimate counts 8 bytes more per parameter (fp32
+master weights and gradients, fp32 Adam moments), 11.1 GiB over 2 layers' 1.49 B parameters and
+14.3 GiB over 4 layers' 1.92 B; less that, the estimate reads 17.1 and 28.0 GiB.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ batch -> ``--check`` trains the same steps in one process in fp32 meanwhile and 
 ``--grad-accum N`` splits each step's batch into N micro-batches, the program planned for one and
 run N times, the gradients summed before the optimizer step (the reference takes the batch whole).
 
+``--master-dtype`` (default fp32) is the dtype the weights, their gradients and AdamW's state are
+kept in: a bf16 or fp16 model then trains in mixed precision, each step computing in ``--dtype``.
+
 ``--json`` prints one object: ``losses`` (one per step run), ``first_step``, ``tokens_per_s``,
 ``step_s``, ``world_size``, ``plan``, ``checkpoints``, on GPUs rank 0's ``memory_reserved_peak_bytes``
 (``torch.cuda.max_memory_reserved``), and with ``--check`` ``reference_losses``,
