@@ -67,6 +67,14 @@ MAX_PRICING_ROUNDS = 25
 # ~9 s and already finds the optimum, but each re-solve after pricing runs ~30k simplex
 # iterations: the whole MIP then starts from that plan (it needs ~28 s to prove it optimal).
 PRICING_SHARE = 0.4
+# A MIP whose gap stalls is stopped (``_StallGuard``): after STALL_MIN_S, when over the last
+# STALL_WINDOW_SHARE of its run it neither improved its plan nor closed STALL_PROGRESS of the
+# gap it had at the window's start. On llama3-70b over 8x8 the MIP over what reduced-cost fixing
+# leaves sat at its root node for 48 s, its bound 1.67649 -> 1.67699 s against a plan at 1.72546
+# (stop 40's log and stop 46's), and returned the plan it started from.
+STALL_MIN_S = 10.0
+STALL_WINDOW_SHARE = 0.4
+STALL_PROGRESS = 0.1
 
 
 @dataclass
@@ -286,6 +294,37 @@ def _by_pricing(m: Model, unit: float, left_out: np.ndarray, deadline: float,
     return done, None
 
 
+class _StallGuard:
+    """HiGHS's MIP interrupt callback: stops the run whose gap stalls (STALL_* above). HiGHS
+    calls it between its steps (on llama3-70b 27 times in 48 s at the root node, 212 in a 12-s
+    neighbourhood MIP), so it costs nothing to speak of."""
+
+    def __init__(self, h: highspy.Highs) -> None:
+        self.began = time.perf_counter()
+        self.seen: list[tuple[float, float, float]] = []  # (seconds, plan, bound) while both are finite
+        self.stalled = False
+        h.setCallback(self, None)
+        h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+
+    def __call__(self, _kind, _message, data_out, data_in, _user) -> None:
+        t = time.perf_counter() - self.began
+        plan, bound = float(data_out.mip_primal_bound), float(data_out.mip_dual_bound)
+        if not (math.isfinite(plan) and math.isfinite(bound)):
+            return
+        self.seen.append((t, plan, bound))
+        if t < STALL_MIN_S:
+            return
+        then = [r for r in self.seen if r[0] <= (1.0 - STALL_WINDOW_SHARE) * t]
+        if not then:
+            return
+        _, plan0, bound0 = then[-1]
+        if plan < plan0 or (plan0 - bound0) - (plan - bound) >= STALL_PROGRESS * (plan0 - bound0):
+            return
+        log.debug("MIP stalled after %.1f s: plan %.6g, bound %.6g -> %.6g", t, plan, bound0, bound)
+        self.stalled = True
+        data_in.user_interrupt = True
+
+
 def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
     """Run HiGHS's MIP on the model it holds, from ``start`` if given.
 
@@ -297,21 +336,24 @@ def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
     (a run after ``clearSolver`` has HiGHS's whole limit again: on llama3-70b over 8x8 the MIP
     took 103 s for a limit of 51.5), and the start stands where that run finds nothing cheaper,
     with the better of the two runs' bounds (a start priced too low only prunes more: the first
-    run's bound still holds)."""
+    run's bound still holds). A run whose gap stalls is stopped (``_StallGuard``) and not run
+    again."""
     if start is not None:
         h.setSolution(len(start), np.arange(len(start), dtype=np.int32), start)
     (_, limit), began = h.getOptionValue("time_limit"), time.perf_counter()  # (status, value)
+    guard = _StallGuard(h)
     h.run()
     if start is not None and not _consistent(h):
         start_cost = float(np.dot(h.getLp().col_cost_, start))
         first_bound = min(_dual_bound(h), start_cost)
-        left = limit - (time.perf_counter() - began)
+        left = 0.0 if guard.stalled else limit - (time.perf_counter() - began)
         log.debug("HiGHS's objective is not its solution's cost; solving again without the start "
                   "(%.1f s left)", left)
         if left <= 0.0:
             return Solved(_proven(h, start_cost, first_bound), start_cost, first_bound, start, columns=n)
         h.clearSolver()
         h.setOptionValue("time_limit", left)
+        _StallGuard(h)
         h.run()
         info = h.getInfo()
         if info.primal_solution_status != FEASIBLE_SOLUTION or info.objective_function_value > start_cost:

@@ -1,6 +1,7 @@
 """``solver._run_mip`` when HiGHS reports a start point at a cost that is not its cost (HiGHS
 1.16 does on some models): the MIP runs again without the start, within what is left of the
-time limit, and the start stands where that run finds nothing cheaper.
+time limit, and the start stands where that run finds nothing cheaper. And a run whose gap
+stalls is stopped (``solver._StallGuard``), one that makes progress is not.
 
 HiGHS is replaced by a stand-in that plays such runs, on a clock the test moves."""
 
@@ -32,6 +33,17 @@ class _Values:
 
 
 @dataclass
+class _CallbackOut:
+    mip_primal_bound: float
+    mip_dual_bound: float
+
+
+@dataclass
+class _CallbackIn:
+    user_interrupt: bool = False
+
+
+@dataclass
 class _Lp:
     col_cost_: np.ndarray = field(default_factory=lambda: COST)
 
@@ -47,9 +59,14 @@ class _Highs:
     """Each run takes ``run_s`` of the clock and ends at the next of ``results``: (reported
     objective, solution), or None for no solution."""
 
-    def __init__(self, clock: _Clock, run_s: float, results: list, bounds: tuple[float, ...] = ()) -> None:
+    def __init__(self, clock: _Clock, run_s: float, results: list, bounds: tuple[float, ...] = (),
+                 progress: tuple[list[tuple[float, float, float]], ...] = ()) -> None:
         self.clock, self.run_s, self.results = clock, run_s, list(results)
         self.bounds = list(bounds)  # each run's dual bound (1.0 where not given)
+        # Each run's calls of the MIP interrupt callback: (seconds into the run, plan, bound).
+        self.progress = list(progress)
+        self.callback = None
+        self.interrupted: list[bool] = []
         self.options = {"time_limit": LIMIT_S, "mip_rel_gap": solver.MIP_REL_GAP}
         self.limits: list[float] = []  # the time limit of each run
         self.result = None
@@ -63,9 +80,28 @@ class _Highs:
     def setOptionValue(self, name, value) -> None:  # noqa: N802
         self.options[name] = value
 
+    def setCallback(self, callback, _data) -> None:  # noqa: N802
+        self.callback = callback
+
+    def startCallback(self, _kind) -> None:  # noqa: N802
+        pass
+
     def run(self) -> None:
-        self.limits.append(self.options["time_limit"])
-        self.clock.now += min(self.run_s, self.options["time_limit"])
+        limit = self.options["time_limit"]
+        self.limits.append(limit)
+        began, stopped = self.clock.now, False
+        for t, plan, bound in (self.progress.pop(0) if self.progress else []):
+            if t > min(self.run_s, limit):
+                break
+            self.clock.now = began + t
+            asked = _CallbackIn()
+            self.callback(None, "", _CallbackOut(plan, bound), asked, None)
+            if asked.user_interrupt:
+                stopped = True
+                break
+        self.interrupted.append(stopped)
+        if not stopped:
+            self.clock.now = began + min(self.run_s, limit)
         self.result = self.results.pop(0)
         self.bound = self.bounds.pop(0) if self.bounds else 1.0
 
@@ -132,3 +168,32 @@ def test_a_cheaper_point_found_without_the_start_is_taken(clock):
     got = _run_mip(h, START, 2)
     assert got.objective == pytest.approx(2.5)
     assert np.array_equal(got.solution, cheaper)
+
+
+def _gap_closing(share: float) -> list[tuple[float, float, float]]:
+    """A run at one plan (3) whose bound climbs from 1 by ``share`` of what is left each second."""
+    calls, bound = [], 1.0
+    for t in range(1, 40):
+        calls.append((float(t), 3.0, bound))
+        bound += share * (3.0 - bound)
+    return calls
+
+
+def test_a_run_whose_gap_stalls_is_stopped_and_not_run_again(clock):
+    # The bound creeps (0.1% of the gap a second): stopped once STALL_MIN_S has passed and its
+    # last STALL_WINDOW_SHARE closed under STALL_PROGRESS of the gap; no run again without the
+    # start although HiGHS misreported it (2 for a start that costs 3).
+    h = _Highs(clock, run_s=LIMIT_S, results=[(2.0, START)], progress=(_gap_closing(0.001),))
+    got = _run_mip(h, START, 2)
+    assert h.interrupted == [True] and h.limits == [LIMIT_S]
+    assert solver.STALL_MIN_S <= clock.now < LIMIT_S / 2
+    assert np.array_equal(got.solution, START) and got.objective == pytest.approx(3.0)
+
+
+def test_a_run_that_closes_its_gap_or_improves_its_plan_runs_on(clock):
+    closing = _gap_closing(0.05)  # 5% of the gap a second: over STALL_PROGRESS in any window
+    improving = [(float(t), 3.0 - 0.01 * t, 1.0) for t in range(1, 40)]  # the bound still, the plan better
+    for calls in (closing, improving):
+        h = _Highs(clock, run_s=LIMIT_S, results=[(3.0, START)], progress=(calls,))
+        _run_mip(h, START, 2)
+        assert h.interrupted == [False]
