@@ -630,10 +630,7 @@ def _collect(results, procs, world: int, deadline: float, timeout_s: float, on_m
     if own:
         rank = min(own)
         tail = f"; rank(s) {', '.join(map(str, silent))} did not finish" if silent else ""
-        path = _write_traceback(stacks, rank, errors[rank][1])
-        where = f"; its traceback is in {path}" if path else ""
-        raise RunError(f"rank {rank} failed: {errors[rank][0]}{tail}{where}.", rank, errors[rank][1],
-                       stacks=path)
+        raise _failed(stacks, rank, errors[rank], tail)
     if silent:
         # Nobody failed on its own: the silent rank hung and the others (if any) gave up on it.
         waiting = (f" while rank(s) {', '.join(map(str, sorted(errors)))} timed out waiting for it"
@@ -645,21 +642,21 @@ def _collect(results, procs, world: int, deadline: float, timeout_s: float, on_m
                        stacks=path if dumped else None)
     if errors:
         rank = min(errors)
-        path = _write_traceback(stacks, rank, errors[rank][1])
-        where = f"; its traceback is in {path}" if path else ""
-        raise RunError(f"rank {rank} failed: {errors[rank][0]}{where}.", rank, errors[rank][1], stacks=path)
+        raise _failed(stacks, rank, errors[rank])
     return [done[r] for r in range(world)]
 
 
-def _write_traceback(stacks: str | None, rank: int, details: str) -> str | None:
-    """The file in ``stacks`` that now holds a failed rank's traceback (None where it sent none):
-    the error is one sentence, and what lies under it is one file away."""
-    if stacks is None or not details:
-        return None
-    path = os.path.join(stacks, f"rank{rank}-traceback.txt")
-    with open(path, "w") as f:
-        f.write(details)
-    return path
+def _failed(stacks: str | None, rank: int, error: tuple[str, str], tail: str = "") -> RunError:
+    """The error of a rank that failed with ``error`` (its sentence, its traceback): one sentence,
+    naming the file in ``stacks`` that now holds the traceback, where the rank sent one."""
+    said, details = error
+    path = None
+    if stacks is not None and details:
+        path = os.path.join(stacks, f"rank{rank}-traceback.txt")
+        with open(path, "w") as f:
+            f.write(details)
+    where = f"; its traceback is in {path}" if path else ""
+    return RunError(f"rank {rank} failed: {said}{tail}{where}.", rank, details, stacks=path)
 
 
 def _own_errors(errors: dict[int, tuple[str, str]]) -> list[int]:
