@@ -22,10 +22,11 @@ aten = torch.ops.aten
 B, H, L, S, E = 2, 3, 6, 6, 8
 
 
-def _qkv(dtype: torch.dtype, seed: int, s: int = S) -> tuple[torch.Tensor, ...]:
+def _qkv(dtype: torch.dtype, seed: int, s: int = S, kv_heads: int = H) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     # q, k and v as a model makes them: [B, L, H, E] in memory, viewed as [B, H, L, E].
-    return tuple(torch.randn(B, n, H, E, generator=g).to(dtype).transpose(1, 2) for n in (L, s, s))
+    return tuple(torch.randn(B, n, h, E, generator=g).to(dtype).transpose(1, 2)
+                 for n, h in ((L, H), (s, kv_heads), (s, kv_heads)))
 
 
 def _mask(kind: str | None, s: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -40,11 +41,13 @@ def _mask(kind: str | None, s: int, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("is_causal, mask, scale, s", [
-    (True, None, None, S), (False, None, 0.3, S + 3), (False, "hide", None, S + 3), (False, "bias", 0.5, S),
+@pytest.mark.parametrize("is_causal, mask, scale, s, kv_heads", [
+    (True, None, None, S, H), (False, None, 0.3, S + 3, H), (False, "hide", None, S + 3, H),
+    (False, "bias", 0.5, S, H), (True, None, None, S, 1), (False, "bias", None, S + 3, 1),
 ])
-def test_math_matches_the_cpu_kernels_values_and_layout(dtype, tol, is_causal, mask, scale, s):
-    q, k, v = _qkv(dtype, seed=s, s=s)
+def test_math_matches_the_cpu_kernels_values_and_layout(dtype, tol, is_causal, mask, scale, s, kv_heads):
+    """... with grouped-query attention too (one k/v head for the three query heads)."""
+    q, k, v = _qkv(dtype, seed=s, s=s, kv_heads=kv_heads)
     attn_mask = _mask(mask, s, dtype)
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask,
                                                                  scale=scale)

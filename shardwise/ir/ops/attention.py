@@ -11,7 +11,9 @@ swaps them in (``runtime/launch.retarget_device``, ``DEVICE_PORTABLE``):
   number of heads for q, k and v, head dim a multiple of 8 up to 256);
 - else the math below: scores in fp32, ``lse = logsumexp(scores)``, ``p = exp(scores - lse)``,
   ``out = p v``; backward ``dv = p^T do``, ``ds = p * (do v^T - rowsum(do * out))``,
-  ``dq = scale * ds k``, ``dk = scale * ds^T q``.
+  ``dq = scale * ds k``, ``dk = scale * ds^T q``. With fewer k/v heads than query heads
+  (grouped-query attention, which the CPU kernel takes), each k/v head serves a group of
+  consecutive query heads, and its gradients are the group's sum.
 
 Each pair (forward, backward) runs the same implementation, so the logsumexp the forward hands
 the backward is always its own kind. Outputs and gradients are laid out as the CPU kernels lay
@@ -49,9 +51,20 @@ def _as_cpu_layout(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == want.stride() else want.copy_(t)
 
 
+def _per_query_head(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """``kv`` with one head per query head (each k/v head repeated for its group), in fp32."""
+    return kv.float().repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def _per_kv_head(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A gradient per query head summed over each k/v head's group."""
+    b, h, n, e = grad.shape
+    return grad.view(b, kv_heads, h // kv_heads, n, e).sum(2)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, is_causal: bool, attn_mask: torch.Tensor | None,
             scale: float) -> torch.Tensor:
-    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    s = torch.matmul(q.float(), _per_query_head(k, q.shape[1]).transpose(-2, -1)) * scale
     if is_causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, -math.inf)
@@ -67,7 +80,7 @@ def math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = _scores(q, k, is_causal, attn_mask, scale)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float())
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _per_query_head(v, q.shape[1]))
     return _as_cpu_layout(out.to(q.dtype)), lse
 
 
@@ -79,11 +92,11 @@ def math_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     p = torch.exp(_scores(q, k, is_causal, attn_mask, scale) - lse.float().unsqueeze(-1))
     do = grad_out.float()
-    dv = torch.matmul(p.transpose(-2, -1), do)
+    dv = _per_kv_head(torch.matmul(p.transpose(-2, -1), do), v.shape[1])
     rowsum = (do * out.float()).sum(-1, keepdim=True)
-    ds = p * (torch.matmul(do, v.float().transpose(-2, -1)) - rowsum)
-    dq = torch.matmul(ds, k.float()) * scale
-    dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
+    ds = p * (torch.matmul(do, _per_query_head(v, q.shape[1]).transpose(-2, -1)) - rowsum)
+    dq = torch.matmul(ds, _per_query_head(k, q.shape[1])) * scale
+    dk = _per_kv_head(torch.matmul(ds.transpose(-2, -1), q.float()) * scale, k.shape[1])
     return tuple(_as_cpu_layout(g.to(x.dtype)) for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
