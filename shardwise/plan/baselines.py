@@ -96,7 +96,7 @@ class BaselineSpec:
     batch_nodes: frozenset[str] = frozenset()
 
 
-def _tp_role(param: str, ndim: int, in_dim: int = 1) -> Placements:
+def _tp_role(param: str, ndim: int, in_dim: int) -> Placements:
     """Where tensor parallelism splits parameter ``param`` (``ndim`` dims; a 2-D weight's input
     features on ``in_dim``, ``_in_dim``): column-parallel its output features, row-parallel its
     input features, an embedding its vocabulary, anything else replicated."""
@@ -222,7 +222,7 @@ def norm_nodes(traced: Traced) -> list[fx.Node]:
         if traced.phase(n) is not Phase.FORWARD or n.op != "call_function":
             continue
         rsqrt = next((a for a in n.all_input_nodes if is_op(a, *_NORM_OPS)), None)
-        if str(n.target).startswith("shardwise.") and "norm" in str(n.target) or is_op(n, *_LAYER_NORM_OPS):
+        if (str(n.target).startswith("shardwise.") and "norm" in str(n.target)) or is_op(n, *_LAYER_NORM_OPS):
             out += [n, *[x for x in tensor_args(n)[:1] if is_op(x, aten.add)]]
         elif rsqrt is not None and (x := mul_other(n, rsqrt)) is not None:
             if is_op(x, aten.sub.Tensor) and is_op(arg_node(x, 1), aten.mean.dim):

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import UserError, first_line
+from shardwise.ir.ops.attention import make_portable
 from shardwise.ir.trace import Traced, graph_constants
 from shardwise.lower.spmd import SPMDProgram, rename_groups
 from shardwise.mesh import destroy_world
@@ -318,8 +319,6 @@ def _device_for(backend: str, rank: int) -> torch.device:
 def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     """Make factory ops and constants of a CPU-lowered graph create their tensors on ``device``,
     and its CPU-only kernels run as their portable twins (``ir/ops/attention.make_portable``)."""
-    from shardwise.ir.ops.attention import make_portable
-
     if device.type == "cpu":
         return
     make_portable(gm)
