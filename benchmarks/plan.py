@@ -266,12 +266,14 @@ with the same bound, while on ``llama-tiny`` over 2x2 the bound rose from 708.13
 dominator's placement, 16 strategies remain prunable (86,386 -> 86,258 columns): nothing.
 
 Stop 46 (``--modes warm --gap 0.01``): a MIP whose gap stalls is stopped (``solver._StallGuard``:
-after 10 s, when over the last 40% of its run it neither improved its plan nor closed 10% of
-its gap). 70B's MIP over what reduced-cost fixing leaves had sat at its root node for 48 s
-(bound 1.67649 -> 1.67699 s against the plan's 1.72546) and returned its start; it now stops
-after ~22 s. The same hour, guard off -> on: total 85.0 -> 65.7 s, solve 60.9 -> 43.7 s, the
-same plan (1.6607 s a step), gap 2.81% -> 2.83%. The 8B cases never reach that MIP (their
-rounded LP point is within the gap). Tried on the 2-layer LP (the 5-s target's obstacle, 9.6 s
+after 20 s, when over the last half of its run it neither improved its plan nor closed 10% of
+its gap; at first 10 s and 40%, which stopped llama-tiny's MIP beside the test suite). 70B's
+MIP over what reduced-cost fixing leaves had sat at its root node for 48 s (bound 1.67649 ->
+1.67699 s against the plan's 1.72546) and returned its start; it now stops after ~24 s. The
+same hour, guard off -> on (10 s, 40%): total 85.0 -> 65.7 s, solve 60.9 -> 43.7 s, the same
+plan (1.6607 s a step), gap 2.81% -> 2.83%; later, at 20 s and a half, 59.0 s (solve 40.0 s),
+the same plan and gap. The 8B cases never reach that MIP (their rounded LP point is within
+the gap). Tried on the 2-layer LP (the 5-s target's obstacle, 9.6 s
 alone from its MPS, 46 ipx iterations), none kept: merging an edge's moves of equal costs (its
 278 edges' distinct cost rows x columns come to 94,737 against 79,449 pairs: none repeat);
 dropping columns whose own max-row cost exceeds the start point's (1,608 of 79,449); bounding
