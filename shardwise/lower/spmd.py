@@ -573,18 +573,24 @@ def check_plan(traced: Traced, plan: Plan) -> None:
                         "plan this graph again.")
 
 
-def lower(traced: Traced, plan: Plan, *, rank: int = 0) -> SPMDProgram:
-    """The program rank ``rank`` runs under ``plan`` (lowered on a fake process group)."""
+def lower(traced: Traced, plan: Plan, *, rank: int = 0,
+          reduce_dtype: torch.dtype | None = None) -> SPMDProgram:
+    """The program rank ``rank`` runs under ``plan`` (lowered on a fake process group;
+    ``reduce_dtype`` as for ``lower_on``)."""
     check_plan(traced, plan)
     mesh = plan.mesh
     if not 0 <= rank < mesh.size:
         raise UserError(f"rank {rank} is outside the mesh of {mesh.size} devices.")
-    return lower_on(traced, plan, _fake_mesh(mesh, rank), rank=rank)
+    return lower_on(traced, plan, _fake_mesh(mesh, rank), rank=rank, reduce_dtype=reduce_dtype)
 
 
 def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
-             device: torch.device | str = "cpu") -> SPMDProgram:
-    """Lower on an existing DeviceMesh (fake or real): the collectives name its process groups."""
+             device: torch.device | str = "cpu", reduce_dtype: torch.dtype | None = None) -> SPMDProgram:
+    """Lower on an existing DeviceMesh (fake or real): the collectives name its process groups.
+
+    ``reduce_dtype``: each gradient narrower than it is cast to it before its synchronisation,
+    so that the reduction sums, and the program returns, the wider values (mixed precision's
+    ``reduce_dtype=float32``: a bf16 model whose fp32 master weights take fp32 gradients)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = torch.device(device)
@@ -594,7 +600,8 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
     out_node = next(n for n in reversed(traced.gm.graph.nodes) if n.op == "output")
     out_nodes = list(out_node.args[0])
     sinks = output_sinks(traced, plan)
-    final: dict[int, Placements] = {}
+    grads = set(traced.grads.values())
+    final: dict[int, tuple[Placements, torch.dtype]] = {}
 
     def step(*local: torch.Tensor) -> list[torch.Tensor | None]:
         placed = [lay.to_dtensor(t, device_mesh) for t, lay in zip(local, layouts, strict=True)]
@@ -603,8 +610,11 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
         for i, (v, sink) in enumerate(zip(outs, sinks, strict=True)):
             if isinstance(v, torch.Tensor):
                 node = out_nodes[i]
-                v = lowerer.place_output(v, sink, node.name if isinstance(node, fx.Node) else None)
-                final[i] = tuple(v.placements)
+                name = node.name if isinstance(node, fx.Node) else None
+                if name in grads and _narrower(v.dtype, reduce_dtype):
+                    v = _cast(lowerer._as_dtensor(v), reduce_dtype)
+                v = lowerer.place_output(v, sink, name)
+                final[i] = (tuple(v.placements), v.dtype)
                 v = v.to_local()
             res.append(v)
         return res
@@ -628,12 +638,24 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
         if not isinstance(v, torch.Tensor) or i not in final:
             outputs.append(None)
             continue
-        outputs.append(Layout(node.name, tuple(v.shape), v.dtype, final[i], mesh_shape))
+        placements, dtype = final[i]
+        outputs.append(Layout(node.name, tuple(v.shape), dtype, placements, mesh_shape))
     group_dims = {device_mesh.get_group(d).group_name: d for d in range(device_mesh.ndim)}
     return SPMDProgram(gm=gm, traced=traced, plan=plan, rank=rank, placeholders=layouts, outputs=outputs,
                        group_dims=group_dims, unplanned=lowerer.unplanned,
                        local_ops=sorted(lowerer.local_ops),
                        node_collectives=lowerer.node_comm)
+
+
+def _narrower(dtype: torch.dtype, than: torch.dtype | None) -> bool:
+    return than is not None and dtype.is_floating_point and dtype.itemsize < than.itemsize
+
+
+def _cast(v: DTensor, dtype: torch.dtype) -> DTensor:
+    """``v`` in ``dtype``, its placements kept: a cast of each rank's term of a pending sum is the
+    cast of its terms (a float-to-float cast commutes with the sum, DTensor's own rule)."""
+    return DTensor.from_local(v.to_local().to(dtype), v.device_mesh, v.placements, run_check=False,
+                              shape=v.shape, stride=v.stride())
 
 
 def output_sinks(traced: Traced, plan: Plan) -> list[Placements | None]:

@@ -439,8 +439,11 @@ class ParallelModule(nn.Module):
         def lowered() -> SPMDProgram:
             # On the mesh's device: DTensor moves every local piece there, so a factory op or a
             # cast that named another device would mix two.
+            # Gradients are reduced in the master weights' dtype (torchtitan's mixed precision
+            # reduces in fp32), which is what the step estimate prices.
             program = lower_on(traced, plan, self.device_mesh, rank=dist.get_rank(),
-                               device=self.device_mesh.device_type)
+                               device=self.device_mesh.device_type,
+                               reduce_dtype=self._state["master_dtype"])
             program.apply_passes(list(self._state["passes"]))
             if traced.train and self._state["ac"] is not ACPolicy.NONE:
                 program.rewrites["remat"] = remat.apply(program.gm, self._state["ac"])
@@ -722,8 +725,8 @@ def parallelize(model: nn.Module, mesh: Mesh | DeviceMesh | str,
     (Inductor) instead of op by op. ``master_dtype``: keep the floating-point parameters, their
     gradients and so the optimizer's state in this dtype (e.g. ``torch.float32`` for a bf16
     model: torchtitan's mixed precision); each step casts the local shards to the model's dtype
-    before the program reads them, and its gradients back (the program's own gradient
-    collectives run in the model's dtype). None: the model's own dtype.
+    before the program reads them, and the program reduces its gradients in the master dtype
+    (FSDP2's ``reduce_dtype``). None: the model's own dtype.
     """
     from shardwise.passes import parse_passes
     from shardwise.plan.baselines import BASELINES

@@ -9,8 +9,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardwise.errors import UserError
 from shardwise.ir.match import all_collectives
+from shardwise.ir.trace import Traced, trace_model
 from shardwise.lower import Layout, lower
 from shardwise.lower.spmd import mesh_coordinate
+from shardwise.mesh import Mesh
+from shardwise.passes.pipeline import canonicalize
+from shardwise.plan.planner import make_plan
 from shardwise.runtime.counter import as_json, count_graph
 from tests.lower.hand_plans import S0, R, hand_plan, tiny_mlp_traced, transpose_plan
 
@@ -161,3 +165,29 @@ def test_the_coordinate_is_read_once_per_mesh_dim():
     assert reads and len({n.args[1] for n in reads}) == len(reads) <= 2
     # The read serves every cut: each offset is coordinate * chunk (more cuts than reads).
     assert sum(len(r.users) for r in reads) > len(reads)
+
+
+
+@pytest.fixture(scope="module")
+def bf16_llama() -> Traced:
+    traced = trace_model("llama-tiny", train=True, layers=1, batch=4, seq=16, dtype="bf16")
+    canonicalize(traced)
+    return traced
+
+
+@pytest.mark.parametrize("baseline, kind", [("ddp", "all_reduce"), ("fsdp", "reduce_scatter")])
+def test_gradients_are_reduced_in_the_reduce_dtype(bf16_llama, baseline, kind):
+    """DDP's all_reduce and FSDP's reduce_scatter of a bf16 model's gradients run on fp32 values
+    when asked (mixed precision's ``reduce_dtype``), and the program hands the gradients back in
+    fp32; by default they are reduced, and handed back, in bf16."""
+    traced = bf16_llama
+    plan = make_plan(traced, Mesh((2,), ("dp",)), baseline=baseline)
+    grads = set(traced.grads.values())
+    for reduce_dtype, want in ((torch.float32, torch.float32), (None, torch.bfloat16)):
+        prog = lower(traced, plan, reduce_dtype=reduce_dtype)
+        colls = all_collectives(prog.gm.graph)
+        reductions = {c.input.meta["val"].dtype for c in colls if c.kind.value == kind}
+        assert want in reductions and (reduce_dtype is None or reductions == {want})
+        out = {lay.name: lay.dtype for lay in prog.outputs if lay is not None}
+        assert {out[g] for g in grads} == {want}
+        assert out[traced.loss] == torch.float32  # the loss is the loss function's

@@ -471,3 +471,35 @@ def test_one_rank_lowers_and_every_rank_runs_its_program_on_its_own_groups():
     assert [r["user"]["error"] for r in ranks] == [user] * 4
     assert [r["bug"]["error"] for r in ranks] == ["ValueError: a bug in the lowering", bug, bug, bug]
     assert [r["bug"]["made"] for r in ranks] == [[0], [], [], []]
+
+
+def _ddp_grads(rank: int, world: int) -> dict:
+    """One DDP step of the bf16 GPT-2 over ``world`` gloo ranks, with fp32 master weights and
+    with bf16 ones: each parameter's gradient, gathered."""
+    import shardwise.train as sw
+
+    idx, tgt = gpt2.batch(0)
+    out = {}
+    for master in (torch.float32, None):
+        torch.manual_seed(0)
+        pm = sw.parallelize(gpt2.GPT2().to(torch.bfloat16), str(world), [idx, tgt], plan="ddp",
+                            loss_fn=gpt2.loss_fn, time_limit_s=20, master_dtype=master)
+        pm(*pm.shard_inputs(idx, tgt)).backward()
+        out[str(master)] = {k: p.grad.full_tensor() for k, p in pm.named_parameters()}
+    return out
+
+
+@pytest.mark.slow
+def test_fp32_master_weights_reduce_the_gradients_in_fp32():
+    """With fp32 master weights the program all-reduces fp32 gradients, as torchtitan's
+    ``reduce_dtype`` does and as ``estimate`` prices it: the two ranks' bf16 terms summed in fp32
+    keep bits a bf16 sum rounds away, and rounded to bf16 they are that sum exactly (the same
+    terms, one rounding)."""
+    got = spawn(_ddp_grads, 2)
+    assert got[0].keys() == got[1].keys()
+    wide, narrow = got[0][str(torch.float32)], got[0][str(None)]
+    for k, g in wide.items():
+        assert g.dtype == torch.float32 and narrow[k].dtype == torch.bfloat16, k
+        assert torch.equal(g, got[1][str(torch.float32)][k]), k
+        assert torch.equal(g.to(torch.bfloat16), narrow[k]), k
+    assert any(not torch.equal(g, g.to(torch.bfloat16).float()) for g in wide.values())
