@@ -18,9 +18,14 @@ whatever that stream already carries. A value moves to a placement once per phas
 by every reader; a consumer starts when its inputs have arrived.
 
 - FSDP2 (parameter all_gathers): the gathers of a block (a decoder layer, or the head/tail
-  outside the layers) are issued when the block before it starts: one layer of prefetch, as
-  FSDP2's implicit prefetching does. Parameters are resharded after the forward
-  (``reshard_after_forward``), so the backward gathers them again.
+  outside the layers) run a block ahead, as FSDP2 prefetches them. In the backward, a block's
+  pre-backward hook issues the next block's gathers before its own kernels (explicit
+  prefetching), so they queue ahead of the block's own collectives. In the forward the CPU
+  issues them at the next block's pre-forward, after this block's kernels and collectives
+  (implicit prefetching: they overlap this block's compute because the CPU runs ahead), so they
+  queue behind this block's collectives on the same process group's stream, able to start from
+  this block's start. Parameters are resharded after the forward (``reshard_after_forward``),
+  so the backward gathers them again.
 - Gradient reduce_scatters (and all_reduces) are issued as soon as the gradient is computed and
   run under the rest of the backward; in torchtitan's mixed precision they move fp32
   (``reduce_dtype=float32``).
@@ -507,6 +512,13 @@ class _Scheduler:
         self.last_read[inst] = max(self.last_read.get(inst, i), i)
         return arrive
 
+    def _issue_gathers(self, reads: list[tuple[fx.Node, Placements, _Item, int]], gate: float,
+                       issued_at: int) -> None:
+        """A block's parameter gathers, issued at time ``gate`` (item ``issued_at``), each on its
+        stream behind what that stream already carries."""
+        for u, dst, reader, k in reads:
+            self._arrival(u, dst, reader, k, gate, gate=gate, issued_at=issued_at)
+
     # ---- the walk ------------------------------------------------------------------------
     def run(self) -> StepSchedule:
         items = self.items()
@@ -531,6 +543,9 @@ class _Scheduler:
                 if self._is_param(u) and j < len(spec.inputs) and spec.inputs[j] is not None:
                     param_reads[(it.phase, it.region)].append((u, spec.inputs[j], it, k))
         started: set[tuple[Phase, int]] = set()
+        # A forward block's gathers, issued once the block before it has issued its own work:
+        # (the time and item index that block started at).
+        deferred: dict[tuple[Phase, int], tuple[float, int]] = {}
         t_c = 0.0
         compute_s = recompute_s = 0.0
         for i, it in enumerate(items):
@@ -538,9 +553,13 @@ class _Scheduler:
             kernel = not is_view(it.node) and it.node.target is not operator.getitem
             if b not in started and b in blocks and kernel:
                 started.add(b)
-                for blk in (b, next_block.get(b)):
-                    for u, dst, reader, k in param_reads.get(blk, []) if blk else []:
-                        self._arrival(u, dst, reader, k, t_c, gate=t_c, issued_at=i)
+                gate, issued = deferred.pop(b, (t_c, i))
+                self._issue_gathers(param_reads.get(b, []), gate, issued)
+                nxt = next_block.get(b)
+                if nxt is not None and b[0] is Phase.FORWARD:
+                    deferred[nxt] = (t_c, i)
+                elif nxt is not None:
+                    self._issue_gathers(param_reads.get(nxt, []), t_c, i)
             n = it.node
             spec = self._spec(n)
             dur = self._node_time(n, it.recompute)

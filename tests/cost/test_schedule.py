@@ -6,9 +6,12 @@ checked against a property the schedule must have, not against a recorded number
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
+import torch
+from torch.distributed.tensor import Replicate
 
 from shardwise.cost.schedule import (
     COMPUTE_STREAM,
@@ -20,11 +23,13 @@ from shardwise.cost.schedule import (
 )
 from shardwise.cost.topology import MeshTopology
 from shardwise.ir.regions import alias_root
-from shardwise.ir.trace import trace_model
+from shardwise.ir.trace import Phase, trace_model
 from shardwise.mesh import parse_mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan import make_plan
+from shardwise.plan.cluster import regions
+from shardwise.plan.plan import NodeSpec
 
 HW = "h100-96gb"
 
@@ -94,6 +99,41 @@ def test_fsdp_gathers_are_prefetched_and_reductions_overlap_the_backward():
     # reshard after forward: each layer weight is gathered in the forward and again in the backward
     gathers = [e for e in s.events if e.name.startswith("all_gather:") and e.region == 0]
     assert {e.phase for e in gathers} == {"forward", "backward"}
+
+
+def test_a_forward_block_s_own_collectives_run_ahead_of_the_next_block_s_gathers():
+    """FSDP2's forward prefetch is implicit: the CPU issues layer 1's all_gathers at layer 1's
+    pre-forward, after layer 0's kernels and collectives, so on the dp stream layer 0's own
+    collectives (here an activation gathered for one multiply) run first, and layer 1's gathers
+    still run under layer 0's compute. In the backward the prefetch is explicit: layer 0's
+    gathers are issued before layer 1's backward kernels, ahead of its gradient reductions."""
+    traced, fsdp, topo = _planned("4", None, "fsdp")
+    region = regions(traced)
+    forward_muls = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor
+                    and region.get(n) == 0 and traced.phase(n) is Phase.FORWARD]
+    mul = next(n for n in forward_muls if len(fsdp.nodes[n.name].inputs) == 2)
+    plan = copy.deepcopy(fsdp)
+    whole = (Replicate(),)
+    plan.nodes[mul.name] = NodeSpec((whole,), (whole, whole))  # its inputs gathered, elementwise
+    s = schedule_step(traced, plan, topo, StepOptions())
+    params = {ph for ph in traced.param_of_placeholder()}
+    node = {n.name: n for n in traced.gm.graph.nodes}
+
+    def moved(e, phase: str, layer: int, param: bool) -> bool:
+        what = node.get(e.name.partition(":")[2])
+        return (e.kind == EventKind.COLLECTIVE and e.phase == phase and e.region == layer and what is not None
+                and (alias_root(what).name in params) == param)
+
+    own = [e for e in s.events if moved(e, "forward", 0, param=False)]
+    ahead = [e for e in s.events if moved(e, "forward", 1, param=True)]
+    assert own and ahead and {e.stream for e in own + ahead} == {"comm:dp"}
+    assert max(e.end for e in own) <= min(e.start for e in ahead)
+    layer0 = [e for e in s.stream_events(COMPUTE_STREAM) if e.region == 0 and e.phase == "forward"]
+    assert min(e.start for e in ahead) < max(e.end for e in layer0)
+    prefetched = [e for e in s.events if moved(e, "backward", 0, param=True)]
+    reductions = [e for e in s.events if e.region == 1 and e.name.startswith("reduce_scatter:")]
+    assert prefetched and reductions
+    assert max(e.end for e in prefetched) <= min(e.start for e in reductions)
 
 
 @pytest.mark.parametrize("plan", ["fsdp", "fsdp_tp"])
