@@ -133,7 +133,12 @@ all_to_all, 4.4 ms a layer, exposed), which queue behind the next layer's prefet
 (2.2 ms), and the compute waits for them (10.78 against 8.73 ms a layer). A row per stream
 and a stall row for a stream carrying both kinds would price both; the stall depends on
 whether a block's exposed moves use that stream, a product of choices, which is why it is not
-here yet. 8B, 2 layers: fsdp_tp 0.946, fsdp_tp_sp 1.037, auto 1.120.
+here yet. 8B, 2 layers: fsdp_tp 0.946, fsdp_tp_sp 1.037, auto 1.120. In the forward that stall
+was the schedule's, not FSDP2's: FSDP2 prefetches the forward implicitly (the CPU issues the next
+layer's gathers at its pre-forward, after this layer's collectives), and the schedule now queues
+them so (``cost/schedule.py``); the auto plan's forward layers 87.8 -> 76.9 ms in all against an
+objective of 69.8, its step 230.1 -> 220.7 ms (0.892), the hand plans' unchanged. The backward
+prefetches explicitly, ahead of the layer's own collectives, and the stall stays there.
 
 Exact where a plan has one stream's worth of communication: on one device the objective is
 the schedule's step (tests/plan/test_objective.py); on 1-D meshes the auto plan is within 1%
