@@ -39,6 +39,14 @@ pythia 378.683 ms (fsdp 379.248) in 36.3 s, bloom 205.712 ms (fsdp 208.304) in 1
 fsdp_tp and fsdp_tp_sp had run no tensor parallelism at all (Bloom's 208.436 ms both, the same
 as FSDP over the mesh); now Megatron's layout, 238.4 and 239.6 ms (Pythia: 406.2 and 409.5): at
 these widths 4-way tensor parallelism costs more than it saves. gpt2 23.419 ms in 9.7 s.
+Stop 47 (the schedule queues a forward block's prefetched gathers behind the block before it, as
+FSDP2 issues them): every auto plan <= its best hand plan, no fallback ops; phi3 2 layers 43.408
+ms (44.000), 32 layers 496.521 (497.194), Qwen2-7B 1868.078 (1890.272), gemma 663.315, Gemma-2
+1686.142 in 77.1 s (two interior-point LPs of 22 s: its first plan's schedule peak, 81 GiB, is
+17.7 GiB over its memory row, so the budget fit solves again; at the plan returned, the peak
+is in the loss's backward, with two gradients of the 256k-vocabulary logits, 3.9 GiB each, and
+the gathered embedding, 2.5 GiB, beyond the row), gpt2 23.290 (23.419), pythia 378.282
+(378.683), bloom 205.587 (205.712); the others in 11.8-40.1 s.
 """
 
 from __future__ import annotations

@@ -278,6 +278,17 @@ alone from its MPS, 46 ipx iterations), none kept: merging an edge's moves of eq
 278 edges' distinct cost rows x columns come to 94,737 against 79,449 pairs: none repeat);
 dropping columns whose own max-row cost exceeds the start point's (1,608 of 79,449); bounding
 from the interior point's iterate at an iteration limit (HiGHS returns none).
+
+Stop 47 (``--modes warm --gap 0.01``, a quiet 2-core machine): the step schedule queues a
+forward block's prefetched gathers behind the block before it, as FSDP2's implicit forward
+prefetch issues them (``cost/schedule.py``). The auto plans move activations over dp, so their
+steps by the schedule drop: 2 layers 47.8 -> 46.5 ms (12.16 s, gap 0.30%), 32 layers 316.4 ->
+311.3 ms (12.11 s, gap 0.03%); 70B returns fsdp_tp as before (1.6607 s, 56.9 s, gap 2.81%).
+Tried on the 2-layer LP, not kept: a Lagrangian bound from PDLP's duals (HiGHS's PDLP reaches
+neither 1e-2 nor 1e-3 in 30 s; its duals give no finite bound). Tried on Gemma-2's budget fit
+(two interior-point LPs of 152,565 columns, 22 s each, the second with a lower memory budget):
+the first by interior point with crossover 38.9 s, then the second by dual simplex from its
+basis 35.2 s (16,704 iterations), against 22 s from scratch.
 """
 
 from __future__ import annotations
