@@ -284,6 +284,11 @@ forward block's prefetched gathers behind the block before it, as FSDP2's implic
 prefetch issues them (``cost/schedule.py``). The auto plans move activations over dp, so their
 steps by the schedule drop: 2 layers 47.8 -> 46.5 ms (12.16 s, gap 0.30%), 32 layers 316.4 ->
 311.3 ms (12.11 s, gap 0.03%); 70B returns fsdp_tp as before (1.6607 s, 56.9 s, gap 2.81%).
+Then the MIP is no longer handed its start (``solver._run_mip``: HiGHS 1.16 priced 70B's at
+1.70521 s for its 1.72546 and reported it optimal, so every such MIP ran again without it); the
+start's cost is HiGHS's objective bound and the stall guard ends a run within the gap of it.
+70B: 56.9 -> 46.7 s (the neighbourhood MIP 12.7 -> 6.6 s, the same plans, gap 2.81%); 2
+layers 11.34 s, 32 layers 11.49 s, 32 layers to the optimum 14.42 s ("optimal"), the same plans.
 Tried on the 2-layer LP, not kept: a Lagrangian bound from PDLP's duals (HiGHS's PDLP reaches
 neither 1e-2 nor 1e-3 in 30 s; its duals give no finite bound). Tried on Gemma-2's budget fit
 (two interior-point LPs of 152,565 columns, 22 s each, the second with a lower memory budget):
