@@ -68,11 +68,14 @@ def spawn(fn: Callable, world_size: int, *args) -> list:
     # From the forkserver that shardwise's own launcher uses: a process that imported torch once,
     # so a rank starts in milliseconds instead of importing torch again.
     mp.set_forkserver_preload(list(WORKER_IMPORTS))
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.start_processes(_worker, args=(world_size, free_port(), fn, args, results), nprocs=world_size,
-                       join=True, start_method="forkserver")
-    return [results[r] for r in range(world_size)]
+    # The manager's server from the forkserver too: forked from this process (the default), it
+    # copies whatever locks this process's threads (HiGHS, a planner's LP thread) held at the
+    # fork, and once waited on one forever, a rank blocked on its reply (a full suite run).
+    with mp.get_context("forkserver").Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, results), nprocs=world_size,
+                           join=True, start_method="forkserver")
+        return [results[r] for r in range(world_size)]
 
 
 def real_inputs_for(gm: fx.GraphModule, seed: int = 0, vocab: int = 256) -> list[torch.Tensor]:
