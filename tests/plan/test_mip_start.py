@@ -158,9 +158,10 @@ def test_a_cheaper_point_is_taken_at_its_cost(clock):
 
 
 def test_without_a_start_no_plan_is_unsolved(clock):
-    got = _run_mip(_Highs(clock, run_s=LIMIT_S, result=None), None, 2)
+    h = _Highs(clock, run_s=LIMIT_S, result=None)
+    got = _run_mip(h, None, 2)
     assert got.solution is None and got.status == "unsolved"
-    assert "objective_bound" not in _Highs(clock, 1.0, None).options
+    assert "objective_bound" not in h.options
 
 
 def test_a_bound_within_the_gap_of_the_start_ends_the_run(clock):
