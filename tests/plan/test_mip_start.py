@@ -175,12 +175,12 @@ def test_a_bound_within_the_gap_of_the_start_ends_the_run(clock):
     assert got.bound == pytest.approx(2.98)
 
 
-def _gap_closing(share: float, plan: float = float("inf")) -> list[tuple[float, float, float]]:
-    """Callbacks of a run whose bound climbs from 1 towards the start's 3 by ``share`` of what is
-    left each second (HiGHS's own plan ``plan``, none by default)."""
+def _gap_closing(share: float) -> list[tuple[float, float, float]]:
+    """Callbacks of a run without a plan of its own whose bound climbs from 1 towards the start's
+    3 by ``share`` of what is left each second."""
     calls, bound = [], 1.0
     for t in range(1, 40):
-        calls.append((float(t), plan, bound))
+        calls.append((float(t), float("inf"), bound))
         bound += share * (3.0 - bound)
     return calls
 
