@@ -302,7 +302,7 @@ class _StallGuard:
     llama3-70b 27 times in 48 s at the root node, 212 in a 12-s neighbourhood MIP), so it costs
     nothing to speak of."""
 
-    def __init__(self, h: highspy.Highs, start_cost: float = math.inf, rel_gap: float = MIP_REL_GAP) -> None:
+    def __init__(self, h: highspy.Highs, start_cost: float, rel_gap: float) -> None:
         self.began = time.perf_counter()
         self.start_cost, self.rel_gap = start_cost, rel_gap
         self.seen: list[tuple[float, float, float]] = []  # (seconds, plan, bound) while both are finite

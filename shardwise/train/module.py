@@ -310,8 +310,7 @@ class _Step(torch.autograd.Function):
                 grads.append(None)
                 continue
             g, spec = item
-            g = g if scale is None else g * scale.to(g.dtype)
-            g = g if g.dtype == p.dtype else g.to(p.dtype)  # into the master weights' dtype
+            g = g if scale is None else g * scale.to(g.dtype)  # in the master weights' dtype (lower_on)
             # DTensor.__new__ alone: its __init__ does nothing but pass through a dynamo guard.
             grad = DTensor.__new__(DTensor, g, spec, requires_grad=False)
             if direct and node is not None and _no_grad_hooks(p) and torch._C._will_engine_execute_node(node):
