@@ -243,6 +243,15 @@ class IlpModel:
     build_s: float
     lp_ahead: LpRun | None = None  # its LP relaxation, started by ``start_lp``
 
+    def set_budget(self, memory_budget: float) -> None:
+        """Bound the memory row by ``memory_budget`` (bytes) instead: nothing else of the model
+        depends on it. Its LP relaxation, solved already (``lp_ahead``), serves the next solve
+        too: the bound ``solver.LpRun`` gives is a Lagrangian one, valid for any duals, and it
+        reads the row's bound when asked (one with a lower budget is at least as high)."""
+        if self.m.memory_row is None:
+            raise ValueError("this placement ILP has no memory row")
+        self.m.row_ub[self.m.memory_row] = float(memory_budget) / MEMORY_UNIT_BYTES
+
     def start_lp(self, time_limit_s: float, rel_gap: float = MIP_REL_GAP) -> None:
         """Start the LP relaxation that the schedule objective's solve begins with, in a
         background thread, so that the caller's next work overlaps it (``solver.LpRun``)."""

@@ -226,3 +226,32 @@ def test_the_part_the_lp_leaves_out_lowers_its_bound_and_the_solve_prices_it():
     solved = solver.solve_by_lp_bound(m, 1.0, TIME_LIMIT_S, None)
     assert solved.objective == pytest.approx(2.0, abs=1e-6)
     assert solved.solution[x2] == pytest.approx(1.0) and solved.bound <= solved.objective + 1e-9
+
+
+def test_a_model_solved_again_under_another_budget_keeps_its_lp_and_finds_its_optimum(tiny, tolerances):
+    """``IlpModel.set_budget`` (the planner's budget fit): the same model under a tighter memory
+    budget, solved again without a second interior point, finds the optimum of a model built
+    with that budget, within it, and its bound is a bound."""
+    problem, mesh = tiny
+    tr, ns, clus, costs = problem
+
+    def built(budget):
+        return ilp.build(tr, ns, clus, costs, memory_budget=budget,
+                         schedule=ScheduleObjective(tr, clus, costs, torchtitan_options(tr)))
+
+    model = built(default_budget(mesh))
+    model.start_lp(TIME_LIMIT_S)
+    first = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
+    floor = ilp.solve(tr, ns, clus, costs, memory_budget=1.0, time_limit_s=TIME_LIMIT_S).min_memory_bytes
+    tight = 1.2 * floor
+    assert first.memory_bytes > tight  # the first plan breaks the tighter budget
+    model.set_budget(tight)
+    tolerances.clear()
+    again = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
+    assert tolerances == []  # no interior point solved again
+    fresh = ilp.solve_built(built(tight), time_limit_s=TIME_LIMIT_S)
+    assert again.status == fresh.status == "optimal"
+    assert again.objective_s == pytest.approx(fresh.objective_s, rel=REL)
+    assert again.objective_s > first.objective_s
+    assert again.memory_bytes <= tight * (1 + REL)
+    assert again.bound_s <= fresh.objective_s * (1 + REL)

@@ -133,7 +133,7 @@ def test_no_memory_pressure_one_auto_solve_and_each_plan_priced_once(tiny, mesh,
     assert priced and max(priced.values()) == 1
 
 
-def test_the_budget_fit_follows_the_peaks_line_when_the_overhead_grows(monkeypatch):
+def test_the_budget_fit_follows_the_peaks_line_when_the_overhead_grows():
     """A model where what the schedule holds beyond the ILP's memory row grows as the budget
     shrinks (peak = 80 + 0.2 x budget GiB, limit 90): the limit less the last overhead alone
     creeps down (96 -> 94.6 -> 93.5 -> 92.6 -> 91.9 GiB) and no plan fits in FIT_ROUNDS;
@@ -156,19 +156,18 @@ def test_the_budget_fit_follows_the_peaks_line_when_the_overhead_grows(monkeypat
 
     solved = []
 
-    def make(traced, mesh, *, constraints, start_from, **options):
-        solved.append(options["memory_budget"])
-        return plan_at(options["memory_budget"])
+    def again(budget, start_from, time_limit_s):
+        solved.append(budget)
+        return plan_at(budget)
 
-    monkeypatch.setattr(planner, "make_plan", make)
-    options = {"time_limit_s": 60.0}
-    got = planner._fit_by_schedule(None, None, plan_at(80 * gib), limit, None, [], options, price)
+    prepared = SimpleNamespace(time_limit_s=60.0, finish_again=again)
+    got = planner._fit_by_schedule(prepared, plan_at(80 * gib), limit, [], price)
     assert price(got).fits
     assert price(plan_at(solved[1])).fits  # the second re-solve, on the line
 
 
 @pytest.mark.parametrize(("row_gib", "solves"), [(1.2, 0), (60.0, 1)])
-def test_the_budget_fit_tries_a_larger_budget_only_where_the_row_is_near_it(monkeypatch, row_gib, solves):
+def test_the_budget_fit_tries_a_larger_budget_only_where_the_row_is_near_it(row_gib, solves):
     """A plan that fits (the solver stopped at its time limit: its bounds are no help): its memory
     row at 1.2 of a 67 GiB budget (Phi-3, 1 layer, 2x2), no larger budget is tried; at 60 GiB one
     is (the schedule's peak leaves room under the 80 GiB limit)."""
@@ -189,12 +188,12 @@ def test_the_budget_fit_tries_a_larger_budget_only_where_the_row_is_near_it(monk
 
     solved = []
 
-    def make(traced, mesh, *, constraints, start_from, **options):
-        solved.append(options["memory_budget"])
-        return plan_at(options["memory_budget"], row_gib * gib)
+    def again(budget, start_from, time_limit_s):
+        solved.append(budget)
+        return plan_at(budget, row_gib * gib)
 
-    monkeypatch.setattr(planner, "make_plan", make)
+    prepared = SimpleNamespace(time_limit_s=60.0, finish_again=again)
     first = plan_at(budget, row_gib * gib)
-    got = planner._fit_by_schedule(None, None, first, limit, None, [], {"time_limit_s": 60.0}, price)
+    got = planner._fit_by_schedule(prepared, first, limit, [], price)
     assert len(solved) == solves and price(got).fits
     assert all(b > budget for b in solved)
