@@ -49,6 +49,12 @@ strided shard does, not the whole weight; a quiet 2-core machine): every row fit
 hand plan; auto / hand 1.000, 1.036, 1.312 and 1.101 (8B 64 GPU: the hand plan 4,487.0 and
 5,354.9 tokens/s, the auto plan 5,887.4 and 5,893.4), 1.302 and 1.120 (70B 256 GPU: the hand plan
 609.5 and 708.0, the auto plan 793.3); planning 9.5 s, 81-82 s, 145-147 s.
+Stop 48 (the budget fit solves the same ILP again with the memory row's new bound, its
+interior-point LP kept: ``PreparedPlan.finish_again``; a quiet 2-core machine, ``--rows 8b-64``
+before and after the same hour): planning 80.6 -> 37.6 s and 83.1 -> 47.3 s, the auto plan 5,968.1
+-> 5,991.5 tokens/s (auto / hand 1.326 -> 1.331). The whole table after: every row fits and is >=
+its hand plan; auto / hand 1.009, 1.036, 1.331, 1.116, 1.300, 1.118; planning 10.5-10.6 s, 40-52
+s, 140-145 s (before, with other work on the machine: 10.8-13.2 s, 78-88 s, 159-163 s).
 """
 
 from __future__ import annotations
