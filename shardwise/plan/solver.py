@@ -662,6 +662,10 @@ class LpRun:
             np.add.at(free, index[row_of == at], value[row_of == at] * y[at])
             free_cols = np.where(free >= 0.0, free * lb, free * ub)
             any_budget = float(rows_part.sum() - rows_part[at] + free_cols.sum())
+            if any_budget > bound:
+                # A budget above the one these duals were found for (``IlpModel.set_budget``):
+                # the multiplier at 0 bounds better, and reduced-cost fixing takes its costs.
+                bound, reduced = any_budget, free
         return _LpBound(bound, primal, reduced, any_budget)
 
 

@@ -255,3 +255,25 @@ def test_a_model_solved_again_under_another_budget_keeps_its_lp_and_finds_its_op
     assert again.objective_s > first.objective_s
     assert again.memory_bytes <= tight * (1 + REL)
     assert again.bound_s <= fresh.objective_s * (1 + REL)
+
+
+def test_an_lp_solved_under_a_tight_budget_bounds_a_larger_one_no_worse_than_without_its_row(tiny):
+    """The LP solved under a tight budget, asked again for a larger one (the budget fit's way up):
+    the Lagrangian bound with its memory multiplier falls as the budget grows, and the same duals
+    without that multiplier bound every budget: the larger of the two is taken, with the reduced
+    costs that go with it, and stays a bound on the larger budget's optimum."""
+    problem, mesh = tiny
+    tr, ns, clus, costs = problem
+    floor = ilp.solve(tr, ns, clus, costs, memory_budget=1.0, time_limit_s=TIME_LIMIT_S).min_memory_bytes
+    model = ilp.build(tr, ns, clus, costs, memory_budget=1.2 * floor,
+                      schedule=ScheduleObjective(tr, clus, costs, torchtitan_options(tr)))
+    model.start_lp(TIME_LIMIT_S)
+    tight = model.lp_ahead.result()
+    assert tight is not None and tight.bound > tight.any_budget  # the memory row binds the LP
+    model.set_budget(100 * default_budget(mesh))
+    loose = model.lp_ahead.result()
+    assert loose.bound == pytest.approx(tight.any_budget)
+    assert loose.any_budget == pytest.approx(tight.any_budget)
+    optimum = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
+    assert optimum.status == "optimal"
+    assert loose.bound * ilp.OBJECTIVE_UNIT_S <= optimum.objective_s * (1 + REL)
