@@ -49,6 +49,11 @@ the gathered embedding, 2.5 GiB, beyond the row), gpt2 23.290 (23.419), pythia 3
 (378.683), bloom 205.587 (205.712); the others in 11.8-40.1 s. With the MIP no longer handed its
 start (``solver._run_mip``): the same, but phi3 2 layers 43.383 ms and gemma 663.249, the others
 in 9.9-33.1 s, Gemma-2 75.9 s.
+Stop 48 (the budget fit solves the same ILP again, its interior-point LP kept,
+``PreparedPlan.finish_again``): the same plans; Gemma-2 73.95 s on main against 72.10 s, back to
+back: its second 22-s LP is gone, but the first LP's duals bound the tighter budget at 1.6421 s
+(a new LP's: 1.6824 s), its MIP then runs to the stall guard (25 s), and the fit's bisection
+solves a third time; the others in 12.9-42.0 s.
 """
 
 from __future__ import annotations
