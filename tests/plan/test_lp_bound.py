@@ -24,6 +24,19 @@ def _solve(problem, budget: float, **kw):
                      **kw)
 
 
+def _built(problem, budget: float) -> ilp.IlpModel:
+    """The schedule objective's ILP of ``problem`` under ``budget``, not solved."""
+    tr, ns, clus, costs = problem
+    return ilp.build(tr, ns, clus, costs, memory_budget=budget,
+                     schedule=ScheduleObjective(tr, clus, costs, torchtitan_options(tr)))
+
+
+def _floor(problem) -> int:
+    """The smallest memory row any plan of ``problem`` reaches (every value fully sharded)."""
+    tr, ns, clus, costs = problem
+    return ilp.solve(tr, ns, clus, costs, memory_budget=1.0, time_limit_s=TIME_LIMIT_S).min_memory_bytes
+
+
 @pytest.fixture(scope="module")
 def tiny():
     model, mesh, shape = CASES["llama-tiny 4"]
@@ -46,8 +59,7 @@ def test_the_lp_bound_solve_finds_the_whole_models_optimum(case):
 @pytest.mark.parametrize("times_floor", [1.2, 1.5])
 def test_under_a_tight_budget_the_lp_bound_solve_is_exact(tiny, times_floor):
     problem, _ = tiny
-    tr, ns, clus, costs = problem
-    floor = ilp.solve(tr, ns, clus, costs, memory_budget=1.0, time_limit_s=TIME_LIMIT_S).min_memory_bytes
+    floor = _floor(problem)
     whole = _solve(problem, times_floor * floor, pricing=False)
     by_bound = _solve(problem, times_floor * floor)
     assert whole.status == by_bound.status == "optimal"
@@ -113,20 +125,14 @@ def test_an_lp_started_ahead_is_the_solves_own(tiny):
     """The LP relaxation run in a background thread (``ilp.IlpModel.start_lp``) gives the bound
     the solve would have computed itself, and the same plan; an LP of another model is refused."""
     problem, mesh = tiny
-    tr, ns, clus, costs = problem
-
-    def built():
-        return ilp.build(tr, ns, clus, costs, memory_budget=default_budget(mesh),
-                         schedule=ScheduleObjective(tr, clus, costs, torchtitan_options(tr)))
-
-    model = built()
+    model = _built(problem, default_budget(mesh))
     model.start_lp(TIME_LIMIT_S)
     assert model.lp_ahead is not None and model.lp_ahead._thread is not None  # runs in the background
     ahead = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
-    itself = ilp.solve_built(built(), time_limit_s=TIME_LIMIT_S)
+    itself = ilp.solve_built(_built(problem, default_budget(mesh)), time_limit_s=TIME_LIMIT_S)
     assert ahead.status == itself.status == "optimal"
     assert ahead.choice == itself.choice and ahead.bound_s == pytest.approx(itself.bound_s, rel=1e-9)
-    other = built()
+    other = _built(problem, default_budget(mesh))
     other.lp_ahead = model.lp_ahead
     with pytest.raises(ValueError, match="another model's"):
         ilp.solve_built(other, time_limit_s=TIME_LIMIT_S)
@@ -233,23 +239,16 @@ def test_a_model_solved_again_under_another_budget_keeps_its_lp_and_finds_its_op
     budget, solved again without a second interior point, finds the optimum of a model built
     with that budget, within it, and its bound is a bound."""
     problem, mesh = tiny
-    tr, ns, clus, costs = problem
-
-    def built(budget):
-        return ilp.build(tr, ns, clus, costs, memory_budget=budget,
-                         schedule=ScheduleObjective(tr, clus, costs, torchtitan_options(tr)))
-
-    model = built(default_budget(mesh))
+    model = _built(problem, default_budget(mesh))
     model.start_lp(TIME_LIMIT_S)
     first = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
-    floor = ilp.solve(tr, ns, clus, costs, memory_budget=1.0, time_limit_s=TIME_LIMIT_S).min_memory_bytes
-    tight = 1.2 * floor
+    tight = 1.2 * _floor(problem)
     assert first.memory_bytes > tight  # the first plan breaks the tighter budget
     model.set_budget(tight)
     tolerances.clear()
     again = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
     assert tolerances == []  # no interior point solved again
-    fresh = ilp.solve_built(built(tight), time_limit_s=TIME_LIMIT_S)
+    fresh = ilp.solve_built(_built(problem, tight), time_limit_s=TIME_LIMIT_S)
     assert again.status == fresh.status == "optimal"
     assert again.objective_s == pytest.approx(fresh.objective_s, rel=REL)
     assert again.objective_s > first.objective_s
@@ -263,10 +262,7 @@ def test_an_lp_solved_under_a_tight_budget_bounds_a_larger_one_no_worse_than_wit
     without that multiplier bound every budget: the larger of the two is taken, with the reduced
     costs that go with it, and stays a bound on the larger budget's optimum."""
     problem, mesh = tiny
-    tr, ns, clus, costs = problem
-    floor = ilp.solve(tr, ns, clus, costs, memory_budget=1.0, time_limit_s=TIME_LIMIT_S).min_memory_bytes
-    model = ilp.build(tr, ns, clus, costs, memory_budget=1.2 * floor,
-                      schedule=ScheduleObjective(tr, clus, costs, torchtitan_options(tr)))
+    model = _built(problem, 1.2 * _floor(problem))
     model.start_lp(TIME_LIMIT_S)
     tight = model.lp_ahead.result()
     assert tight is not None and tight.bound > tight.any_budget  # the memory row binds the LP
