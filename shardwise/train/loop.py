@@ -37,9 +37,15 @@ def lr_factor(step: int, warmup: int, steps: int) -> float:
 
 
 def make_optimizer(params, opts: TrainOptions):
-    # foreach: one dispatch per op for all parameters (a DTensor op per parameter costs far more
-    # than the arithmetic of a small shard).
-    opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay, foreach=True)
+    """AdamW as torchtitan runs it: fused (one kernel pass over each parameter, its gradient and
+    moments) on CUDA, and ``foreach`` elsewhere. Either is one dispatch for all parameters (a
+    DTensor op per parameter costs far more than the arithmetic of a small shard). ``foreach`` on
+    an H100 makes about eight passes: 50.5 ms a step on 1.49 B fp32 parameters, where
+    ``shardwise estimate`` prices one pass (``cost/schedule.OPTIMIZER_BYTES_PER_ELEMENT``)."""
+    params = list(params)
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay, fused=fused,
+                            foreach=not fused)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, opts.warmup, opts.steps))
     return opt, sched
 
@@ -86,9 +92,12 @@ def train_steps(step_fn: Callable[[int], torch.Tensor], module: nn.Module, opts:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # The step ends when the device has run it: the optimizer's kernels are only queued here.
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
         dt = time.perf_counter() - t0
-        rec = StepRecord(step + 1, float(loss), lr, float(norm), dt, tokens_per_step / dt)
+        rec = StepRecord(step + 1, float(loss), lr, norm, dt, tokens_per_step / dt)
         result.records.append(rec)
         if on_step is not None:
             on_step(rec)
