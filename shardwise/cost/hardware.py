@@ -50,6 +50,7 @@ class Hardware:
     inter_latency_s: float   # per inter-node hop, LL protocol
     nvls: bool               # NVSwitch with in-switch reduction (NVLink SHARP)
     nvls_bw: float = 0.0     # NVLS all_reduce algorithm bandwidth (bytes/s); needed when nvls
+    attention_eff: float | None = None  # achievable fraction of peak FLOP/s in flash attention
     device_type: str = "cuda"  # the torch device type its processes use ("cuda" or "cpu")
     description: str = ""
 
@@ -71,6 +72,11 @@ class Hardware:
         return nbytes / (self.mem_bw * self.mem_eff)
 
     @property
+    def attention_slowdown(self) -> float:
+        """How much longer an attention kernel takes than a GEMM of its FLOPs."""
+        return self.compute_eff / self.attention_eff if self.attention_eff else 1.0
+
+    @property
     def intra_bus_bw(self) -> float:
         """Achievable per-device intra-node bandwidth of a ring (bytes/s)."""
         return self.intra_bw * self.intra_eff
@@ -84,7 +90,8 @@ class Hardware:
 # Fields a spec file must give, with their type; everything numeric must be > 0.
 _FLOAT_FIELDS = ("mem_bw", "mem_capacity", "compute_eff", "mem_eff", "launch_s", "intra_bw", "intra_eff",
                  "intra_latency_s", "inter_bw", "inter_eff", "inter_latency_s")
-_EFF_FIELDS = ("compute_eff", "mem_eff", "intra_eff", "inter_eff")
+_OPTIONAL_FIELDS = ("attention_eff",)  # None where absent: compute_eff's rate
+_EFF_FIELDS = ("compute_eff", "mem_eff", "intra_eff", "inter_eff", "attention_eff")
 
 
 def builtin_names() -> tuple[str, ...]:
@@ -125,9 +132,9 @@ def hardware_from_dict(data: dict, where: str) -> Hardware:
         if k not in peak:
             raise UserError(f"hardware {where} lacks the field 'peak_flops.{k}'.")
     peak = {k: _positive(where, f"peak_flops.{k}", v) for k, v in peak.items()}
-    vals = {k: _positive(where, k, d[k]) for k in _FLOAT_FIELDS}
+    vals = {k: _positive(where, k, d[k]) for k in (*_FLOAT_FIELDS, *_OPTIONAL_FIELDS) if k in d}
     for k in _EFF_FIELDS:
-        if vals[k] > 1:
+        if vals.get(k, 0) > 1:
             raise UserError(f"hardware {where}: field {k!r} is a fraction of peak and must be at most 1.")
     gpn = d["gpus_per_node"]
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:

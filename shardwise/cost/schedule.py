@@ -6,11 +6,12 @@ step time, the communication that is exposed (not under compute) and hidden, and
 memory per device over the schedule.
 
 Compute stream. Nodes run one after another in graph order (eager PyTorch issues them in program
-order), each priced by roofline on its local shapes (``plan/costs.py``); a causal attention
-kernel does half the score-matrix work its FLOP formula counts (flash attention skips the
-masked blocks). With ``compile`` the memory-bound nodes are priced as the kernels the
-segmentation pass fuses them into (``passes/segment``, boundary bytes at local shapes), the way
-torch.compile runs them; matmuls and attention stay per op.
+order), each priced by roofline on its local shapes (``plan/costs.py``); an attention kernel
+at the spec's ``attention_eff`` and, causal, at half the score-matrix work its FLOP formula
+counts (flash attention skips the masked blocks; ``attention_factor``). With ``compile`` the
+memory-bound nodes are priced as the kernels the segmentation pass fuses them into
+(``passes/segment``, boundary bytes at local shapes), the way torch.compile runs them; matmuls
+and attention stay per op.
 
 Communication streams. Every redistribution the plan implies (``cost/reshard.py``: the steps
 DTensor takes) runs as collectives on the stream of its mesh dim, after its producer and behind
@@ -68,8 +69,8 @@ three steps replayed through ``cost/allocator.py`` (per-stream pools, rounding, 
 expandable segments if ``expandable_segments``), the figure OOM is checked against. The figures
 from the lifetimes are ``cost/memory.py``'s.
 
-The optimizer step runs last on the compute stream, after the last gradient collective: a
-fused Adam reads and writes ``OPTIMIZER_BYTES_PER_ELEMENT`` per local parameter element.
+The optimizer step runs last on the compute stream, after the last gradient collective:
+gradient clipping and a fused Adam read and write ``optimizer_bytes`` per local parameter element.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from shardwise.cost.hardware import Hardware
 from shardwise.cost.memory import (
     ADAM_STATES,
     Lifetime,
@@ -114,6 +116,10 @@ CAUSAL_WORK_FRACTION = 0.5
 # Fused Adam(W) per parameter element, fp32 master weights: reads param, grad, exp_avg,
 # exp_avg_sq (4 x 4 B) and writes param, exp_avg, exp_avg_sq (3 x 4 B).
 OPTIMIZER_BYTES_PER_ELEMENT = 28
+# Gradient clipping before it (torchtitan's and ``train``'s ``clip_grad_norm_``): the norm reads
+# each gradient element, the scaling reads and writes it. On a lent H100, 1.49 B fp32 gradients:
+# 2.2 + 4.4 ms, about 2.7 TB/s (``benchmarks/device_step.py``).
+CLIP_GRAD_PASSES = 3
 FP32_BYTES = 4
 
 _ATTENTION_FWD = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -149,6 +155,12 @@ class StepOptions:
     optimizer_state_bytes: int = 8
     reduce_fp32: bool = False
     expandable_segments: bool = False
+
+
+def optimizer_bytes(opts: StepOptions, itemsize: int) -> int:
+    """Bytes through memory per local parameter element in the step's tail, for a parameter of
+    ``itemsize`` bytes: its gradient clipped, then the fused Adam update."""
+    return CLIP_GRAD_PASSES * (opts.grad_bytes or itemsize) + OPTIMIZER_BYTES_PER_ELEMENT
 
 
 # FSDP2 allocates on its own streams (``FSDPCommContext``): all_gather outputs on the all-gather
@@ -236,6 +248,15 @@ def _schema_arg(node: fx.Node, name: str, default: object) -> object:
 
 def is_causal_attention(node: fx.Node) -> bool:
     return node.target in (_ATTENTION_FWD | _ATTENTION_BWD) and bool(_schema_arg(node, "is_causal", False))
+
+
+def attention_factor(node: fx.Node, hw: Hardware) -> float:
+    """What a node's roofline time is multiplied by: an attention kernel runs at the spec's
+    ``attention_eff`` (flash attention reaches less of the peak than a GEMM) and, causal, does
+    ``CAUSAL_WORK_FRACTION`` of the work its FLOP formula counts; any other node 1."""
+    if node.target not in _ATTENTION_FWD | _ATTENTION_BWD:
+        return 1.0
+    return hw.attention_slowdown * (CAUSAL_WORK_FRACTION if is_causal_attention(node) else 1.0)
 
 
 def _base(node: fx.Node) -> fx.Node:
@@ -366,9 +387,7 @@ class _Scheduler:
         if spec is None:
             return 0.0
         t = self.costs.compute_time(node, Strategy(spec.output, spec.inputs))
-        if is_causal_attention(node):
-            t *= CAUSAL_WORK_FRACTION
-        return t
+        return t * attention_factor(node, self.hw)
 
     # ---- items ---------------------------------------------------------------------------
     def items(self) -> list[_Item]:
@@ -701,12 +720,6 @@ class _Scheduler:
                 self.last_read[inst] = max(self.last_read.get(inst, self.born[inst]), first_recompute[r])
 
     # ---- memory --------------------------------------------------------------------------
-    def _param_elements(self) -> int:
-        total = 0
-        for ph in self.param_nodes:
-            v = ph.meta["val"]
-            total += local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
-        return total
 
     def _static_bytes(self) -> int:
         total = 0.0
@@ -742,7 +755,12 @@ class _Scheduler:
                 for b in params]
 
     def _optimizer_time(self) -> float:
-        return self.hw.memory_time(self._param_elements() * OPTIMIZER_BYTES_PER_ELEMENT) + self.hw.launch_s
+        moved = 0
+        for ph in self.param_nodes:
+            v = ph.meta["val"]
+            elems = local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
+            moved += elems * optimizer_bytes(self.opts, v.element_size())
+        return self.hw.memory_time(moved) + self.hw.launch_s
 
     def _lifetimes(self) -> list[Lifetime]:
         """Every buffer the step allocates besides the static state: its size and the items

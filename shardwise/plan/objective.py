@@ -12,8 +12,9 @@ layer), of each layer, of the tail, then the backward of the tail, of each layer
 of the head; a cluster of identical layers (``plan/cluster.py``) is one block whose terms count
 every copy. Each cost term of the ILP goes to a block and a load:
 
-- a kernel of node n: COMPUTE in n's block (a causal attention kernel, forward and backward, at
-  ``CAUSAL_WORK_FRACTION`` of its FLOP count; a node activation checkpointing recomputes, once
+- a kernel of node n: COMPUTE in n's block (an attention kernel, forward and backward, priced
+  by ``cost/schedule.attention_factor``: the spec's attention efficiency, and causal, half its
+  FLOP count; a node activation checkpointing recomputes, once
   more in its layer's backward);
 - a parameter's move (FSDP gather): HIDDEN in the block before its readers' (prefetched one
   block ahead, as FSDP2 does), once per phase (FSDP2 reshards after the forward and gathers
@@ -39,8 +40,9 @@ every copy. Each cost term of the ILP goes to a block and a load:
 - any other move: EXPOSED in the block of its first reader that needs the placement (the
   reader waits for it; later readers, a backward one too, reuse the copy: ``ilp.py`` lists a
   producer's edges in graph order);
-- the optimizer step: ``OPTIMIZER_BYTES_PER_ELEMENT`` per local parameter element through
-  memory, linear in the parameters' placements, plus one launch: serial, after the backward.
+- the optimizer step (gradient clipping and fused Adam): ``cost/schedule.optimizer_bytes`` per
+  local parameter element through memory, linear in the parameters' placements, plus one
+  launch: serial, after the backward.
 
 The objective is ``optimizer + sum_b T[b]`` with
 
@@ -157,11 +159,10 @@ import numpy as np
 from torch import fx
 
 from shardwise.cost.schedule import (
-    CAUSAL_WORK_FRACTION,
     FP32_BYTES,
-    OPTIMIZER_BYTES_PER_ELEMENT,
     StepOptions,
-    is_causal_attention,
+    attention_factor,
+    optimizer_bytes,
 )
 from shardwise.ir.flops import is_view
 from shardwise.ir.trace import Phase, Traced
@@ -278,8 +279,7 @@ class ScheduleObjective:
         if seconds == 0.0:
             return
         if isinstance(tag, fx.Node):
-            if is_causal_attention(tag):
-                seconds *= CAUSAL_WORK_FRACTION
+            seconds *= attention_factor(tag, self.costs.hw)
             block = self._block(tag)
             self._add(block, Load.COMPUTE, col, seconds)
             self._note_compute(tag, col, seconds)
@@ -344,8 +344,7 @@ class ScheduleObjective:
         start of its layer's backward (activation checkpointing decided by the ILP)."""
         if seconds == 0.0:
             return
-        if is_causal_attention(node):
-            seconds *= CAUSAL_WORK_FRACTION
+        seconds *= attention_factor(node, self.costs.hw)
         block = (Phase.BACKWARD, self._block(node)[1])
         self._add(block, Load.COMPUTE, col, seconds)
         self._note_compute(node, col, seconds, recomputed=True)
@@ -377,8 +376,8 @@ class ScheduleObjective:
     # ---- the optimizer ---------------------------------------------------------------------
     def charge_optimizer(self, ns: dict[fx.Node, NodeStrategies], xs: dict[fx.Node, list[list[int]]],
                          one: int) -> None:
-        """The fused Adam step: its bytes per local parameter element on the x that place each
-        parameter, its launch on the constant column."""
+        """The optimizer step (clipping, fused Adam): its bytes per local parameter element on
+        the x that place each parameter, its launch on the constant column."""
         if not self.traced.train:
             return
         hw = self.costs.hw
@@ -390,7 +389,7 @@ class ScheduleObjective:
             v = ph.meta["val"]
             for s, cols in zip(st.strategies, xs[r], strict=True):
                 elems = local_bytes(v, s.output[0], self.costs.mesh_shape) // v.element_size()
-                t = hw.memory_time(elems * OPTIMIZER_BYTES_PER_ELEMENT)
+                t = hw.memory_time(elems * optimizer_bytes(self.options, v.element_size()))
                 for col in cols:
                     self.serial[col] += t
         self.serial[one] += hw.launch_s

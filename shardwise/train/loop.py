@@ -41,7 +41,7 @@ def make_optimizer(params, opts: TrainOptions):
     moments) on CUDA, and ``foreach`` elsewhere. Either is one dispatch for all parameters (a
     DTensor op per parameter costs far more than the arithmetic of a small shard). ``foreach`` on
     an H100 makes about eight passes: 50.5 ms a step on 1.49 B fp32 parameters, where
-    ``shardwise estimate`` prices one pass (``cost/schedule.OPTIMIZER_BYTES_PER_ELEMENT``)."""
+    ``shardwise estimate`` prices one pass (``cost/schedule.optimizer_bytes``)."""
     params = list(params)
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay, fused=fused,

@@ -71,6 +71,15 @@ def test_user_file(tmp_path):
     assert get_hardware(hw) is hw
 
 
+def test_attention_runs_at_its_own_efficiency_where_a_spec_gives_one(tmp_path):
+    path = tmp_path / "mygpu.toml"
+    path.write_text(GOOD_SPEC)
+    assert get_hardware(str(path)).attention_slowdown == 1.0  # none given: a GEMM's rate
+    path.write_text(GOOD_SPEC.replace("compute_eff = 0.5", "compute_eff = 0.5\nattention_eff = 0.2"))
+    assert get_hardware(str(path)).attention_slowdown == pytest.approx(2.5)
+    assert get_hardware("h100").attention_slowdown > 1  # FA2 measured on a lent H100
+
+
 @pytest.mark.parametrize("edit, field", [
     (lambda s: s.replace("mem_bw = 1e12\n", ""), "mem_bw"),
     (lambda s: s.replace("launch_s = 5e-6", "launch_s = 0"), "launch_s"),
@@ -78,6 +87,8 @@ def test_user_file(tmp_path):
     (lambda s: s.replace("fp16 = 100e12\n", ""), "peak_flops.fp16"),
     (lambda s: s.replace("gpus_per_node = 4", "gpus_per_node = 0"), "gpus_per_node"),
     (lambda s: s.replace("compute_eff = 0.5", "compute_eff = 1.5"), "compute_eff"),
+    (lambda s: s.replace("compute_eff = 0.5", "compute_eff = 0.5\nattention_eff = 2"), "attention_eff"),
+    (lambda s: s.replace("compute_eff = 0.5", "compute_eff = 0.5\nattention_eff = 0"), "attention_eff"),
     (lambda s: s.replace("nvls = false", "nvls = true"), "nvls_bw"),
 ])
 def test_bad_user_file_names_the_field(tmp_path, edit, field):

@@ -7,6 +7,7 @@ checked against a property the schedule must have, not against a recorded number
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -231,3 +232,24 @@ def test_extrapolating_identical_layers_matches_tracing_them():
     # the allocator's reserved bytes are not exactly linear in the layers (where a block is
     # carved from depends on what was cached before it): close, not exact
     assert extra.memory_per_device_bytes == pytest.approx(direct.memory_per_device_bytes, rel=0.05)
+
+
+def test_attention_kernels_run_at_the_specs_attention_rate_and_nothing_else_moves():
+    traced, p, topo = _planned("4", None, "fsdp")
+    slow = MeshTopology(topo.mesh_shape, dataclasses.replace(topo.hw, attention_eff=topo.hw.compute_eff / 3))
+    attention = {n.name for n in traced.gm.graph.nodes if "attention" in str(n.target)}
+    assert attention
+    durs = [{e.name: e.dur for e in schedule_step(traced, p, t, StepOptions()).stream_events(COMPUTE_STREAM)}
+            for t in (topo, slow)]
+    for name, dur in durs[0].items():
+        assert durs[1][name] == pytest.approx(3 * dur if name in attention else dur), name
+
+
+def test_the_optimizer_tail_clips_the_gradients_it_stores():
+    """Clipping reads each gradient element and then reads and writes it: 3 passes over the
+    stored gradient, so fp32 gradients (mixed precision) add 6 bytes an element to bf16 ones,
+    beside the fused Adam's 28."""
+    traced, p, topo = _planned("4", None, "fsdp")
+    tails = [schedule_step(traced, p, topo, StepOptions(grad_bytes=g)).optimizer_s - topo.hw.launch_s
+             for g in (None, 4)]
+    assert tails[1] / tails[0] == pytest.approx((28 + 3 * 4) / (28 + 3 * 2))
