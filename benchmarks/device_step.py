@@ -35,7 +35,7 @@ profile showed it missed: gradient clipping (2.2 + 4.4 ms) and flash attention's
 | ----------------------- | ----------- | ------------------------ | ---------- | ------------ | ------ |
 | llama3-8b:2:1:4096:bf16 | 85.936      | 59.287 -> 67.893         | 0.790      | 28.229       | 28.168 |
 | llama3-8b:4:2:4096:bf16 | 196.074     | 146.779 -> 165.160       | 0.842      | 45.752       | 42.367 |
-| llama3-8b:2:1:4096:fp32 | 588.595     | 487.691 -> 533.111       | 0.906      | 28.578       | 28.068 |
+| llama3-8b:2:1:4096:fp32 | 588.595     | 487.691 -> 493.609       | 0.839      | 28.578       | 28.068 |
 | ... bf16, compiled *    | 71.841      | 56.447 -> 65.053         | 0.906      | 26.666       | 28.070 |
 
 (* ``--compile --steps 5``.) The first row's kernels, profiled, against the estimate now: GEMMs
@@ -43,7 +43,7 @@ profile showed it missed: gradient clipping (2.2 + 4.4 ms) and flash attention's
 5.7 (5.6), attention 3.9 (3.9), copies 11.8 (2.8): what is left is the mixed-precision casts of
 the weights and gradients (fp32 <-> bf16, about 9 ms, not priced) and the host's gaps between
 kernels (wall 88.1 ms against 80.4 ms of kernels under the profiler). The fp32 row's attention
-(no FA2 in fp32) was not profiled: it is priced at the same ``attention_eff``. Memory is read
+(no FA2 in fp32: another kernel) was not profiled and stays priced at the GEMM rate. Memory is read
 within 0.2% (bf16, 2 layers), 7.4% (4 layers) and 1.8% (fp32); mixed precision keeps fp32 master
 weights now, so the bf16 rows' earlier 11-14 GiB gap (bf16 weights) is gone.
 

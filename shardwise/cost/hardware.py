@@ -25,6 +25,7 @@ DTYPE_KEYS: dict[torch.dtype, str] = {
 }
 # Dtypes without their own peak (integers, bools, fp64 when the spec lacks it) run at the fp32 rate.
 FALLBACK_DTYPE = "fp32"
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 REQUIRED_DTYPES = ("bf16", "fp16", "fp32")
 DEVICE_TYPES = ("cuda", "cpu")
 
@@ -50,7 +51,7 @@ class Hardware:
     inter_latency_s: float   # per inter-node hop, LL protocol
     nvls: bool               # NVSwitch with in-switch reduction (NVLink SHARP)
     nvls_bw: float = 0.0     # NVLS all_reduce algorithm bandwidth (bytes/s); needed when nvls
-    attention_eff: float | None = None  # achievable fraction of peak FLOP/s in flash attention
+    attention_eff: float | None = None  # achievable fraction of peak in flash attention (bf16/fp16)
     device_type: str = "cuda"  # the torch device type its processes use ("cuda" or "cpu")
     description: str = ""
 
@@ -71,10 +72,13 @@ class Hardware:
         """Seconds to move ``nbytes`` through device memory at the achievable rate (no launch)."""
         return nbytes / (self.mem_bw * self.mem_eff)
 
-    @property
-    def attention_slowdown(self) -> float:
-        """How much longer an attention kernel takes than a GEMM of its FLOPs."""
-        return self.compute_eff / self.attention_eff if self.attention_eff else 1.0
+    def attention_slowdown(self, dtype: torch.dtype) -> float:
+        """How much longer an attention kernel in ``dtype`` takes than a GEMM of its FLOPs:
+        ``attention_eff`` is flash attention's, which runs in half precision only (fp32
+        attention is another kernel, priced at the GEMM rate)."""
+        if self.attention_eff is None or dtype not in HALF_DTYPES:
+            return 1.0
+        return self.compute_eff / self.attention_eff
 
     @property
     def intra_bus_bw(self) -> float:

@@ -256,7 +256,8 @@ def attention_factor(node: fx.Node, hw: Hardware) -> float:
     ``CAUSAL_WORK_FRACTION`` of the work its FLOP formula counts; any other node 1."""
     if node.target not in _ATTENTION_FWD | _ATTENTION_BWD:
         return 1.0
-    return hw.attention_slowdown * (CAUSAL_WORK_FRACTION if is_causal_attention(node) else 1.0)
+    query = node.args[0].meta["val"]
+    return hw.attention_slowdown(query.dtype) * (CAUSAL_WORK_FRACTION if is_causal_attention(node) else 1.0)
 
 
 def _base(node: fx.Node) -> fx.Node:

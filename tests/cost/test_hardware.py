@@ -74,10 +74,12 @@ def test_user_file(tmp_path):
 def test_attention_runs_at_its_own_efficiency_where_a_spec_gives_one(tmp_path):
     path = tmp_path / "mygpu.toml"
     path.write_text(GOOD_SPEC)
-    assert get_hardware(str(path)).attention_slowdown == 1.0  # none given: a GEMM's rate
+    assert get_hardware(str(path)).attention_slowdown(torch.bfloat16) == 1.0  # none given: a GEMM's rate
     path.write_text(GOOD_SPEC.replace("compute_eff = 0.5", "compute_eff = 0.5\nattention_eff = 0.2"))
-    assert get_hardware(str(path)).attention_slowdown == pytest.approx(2.5)
-    assert get_hardware("h100").attention_slowdown > 1  # FA2 measured on a lent H100
+    hw = get_hardware(str(path))
+    assert hw.attention_slowdown(torch.bfloat16) == hw.attention_slowdown(torch.float16) == pytest.approx(2.5)
+    assert hw.attention_slowdown(torch.float32) == 1.0  # no flash attention in fp32
+    assert get_hardware("h100").attention_slowdown(torch.bfloat16) > 1  # FA2 measured on a lent H100
 
 
 @pytest.mark.parametrize("edit, field", [
