@@ -55,6 +55,10 @@ before and after the same hour): planning 80.6 -> 37.6 s and 83.1 -> 47.3 s, the
 -> 5,991.5 tokens/s (auto / hand 1.326 -> 1.331). The whole table after: every row fits and is >=
 its hand plan; auto / hand 1.009, 1.036, 1.331, 1.116, 1.300, 1.118; planning 10.5-10.6 s, 40-52
 s, 140-145 s (before, with other work on the machine: 10.8-13.2 s, 78-88 s, 159-163 s).
+Stop 49 (gradient clipping priced in the step's tail, ``cost/schedule.optimizer_bytes``;
+``h100-96gb`` has no ``attention_eff``, so attention is priced as before): the same AC choices;
+auto / hand 1.009, 1.036, 1.331, 1.116, 1.300, 1.118; planning 11.2, 10.9, 37.0, 39.6, 142.9 and
+129.5 s.
 """
 
 from __future__ import annotations

@@ -54,6 +54,13 @@ Stop 48 (the budget fit solves the same ILP again, its interior-point LP kept,
 back: its second 22-s LP is gone, but the first LP's duals bound the tighter budget at 1.6421 s
 (a new LP's: 1.6824 s), its MIP then runs to the stall guard (25 s), and the fit's bisection
 solves a third time; the others in 12.9-42.0 s.
+Stop 49 (gradient clipping priced; ``h100``'s ``attention_eff`` 0.25 for bf16/fp16 flash
+attention, measured on a lent H100; these configs trace in fp32, so only clipping moves them):
+every auto plan <= its best hand plan, no fallback ops; phi3 2 layers 43.428 ms (44.490), 32
+layers 498.522 (499.626), Qwen2-7B 1907.139 (1967.949), gemma 664.475 (666.142), Gemma-2
+1687.444 (gap 0.4%, 75.6 s), gpt2 23.372 (24.073), pythia 378.988 (379.952), bloom 205.866
+(208.582); the others in 11.3-37.4 s. (Before attention's rate was limited to half precision,
+it doubled Qwen2-7B's fp32 attention on no evidence: 3842.424 ms.)
 """
 
 from __future__ import annotations
