@@ -25,8 +25,8 @@ reduces gradients in fp32, ``train``'s program in bf16 (on one device there is n
 Measured (2026-11-27, a second session, one NVIDIA H100 80GB HBM3 lent to it, its image's PyTorch
 2.11.0+cu130, ``--steps 6``, spec ``h100``), after two fixes to ``train`` found by profiling the
 first row's step (``torch.profiler``, two steps): it timed a step before the device had run its
-optimizer (the kernels were only queued), so it reported 72.5 ms for a step whose kernels take
-80.4 ms; and its AdamW ran ``foreach``, about eight passes over the fp32 state (50.5 ms of
+optimizer (the kernels were only queued), so it reported 72.5 ms for a step whose kernels took
+107.7 ms; and its AdamW ran ``foreach``, about eight passes over the fp32 state (50.5 ms of
 kernels a step), where torchtitan runs ``fused`` (16.7 ms). The estimate then gained what the
 profile showed it missed: gradient clipping (2.2 + 4.4 ms) and flash attention's own rate (FA2:
 3.87 ms against 1.22 priced at the GEMM rate; ``attention_eff`` in ``h100.toml``).

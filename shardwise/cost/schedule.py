@@ -721,12 +721,16 @@ class _Scheduler:
                 self.last_read[inst] = max(self.last_read.get(inst, self.born[inst]), first_recompute[r])
 
     # ---- memory --------------------------------------------------------------------------
+    def _local_elements(self, ph: fx.Node) -> int:
+        """The elements of parameter ``ph``'s stored shard."""
+        v = ph.meta["val"]
+        return local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
 
     def _static_bytes(self) -> int:
         total = 0.0
         for ph in self.param_nodes:
             v = ph.meta["val"]
-            elems = local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
+            elems = self._local_elements(ph)
             per = self.opts.param_bytes or v.element_size()
             if self.traced.train:
                 per += self.opts.optimizer_state_bytes
@@ -739,7 +743,7 @@ class _Scheduler:
         params, states = [], []
         for ph in self.param_nodes:
             v = ph.meta["val"]
-            elems = local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
+            elems = self._local_elements(ph)
             params.append(elems * (self.opts.param_bytes or v.element_size()))
             if self.traced.train and self.opts.optimizer_state_bytes:
                 states += [elems * self.opts.optimizer_state_bytes // ADAM_STATES] * ADAM_STATES
@@ -756,11 +760,8 @@ class _Scheduler:
                 for b in params]
 
     def _optimizer_time(self) -> float:
-        moved = 0
-        for ph in self.param_nodes:
-            v = ph.meta["val"]
-            elems = local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
-            moved += elems * optimizer_bytes(self.opts, v.element_size())
+        moved = sum(self._local_elements(ph) * optimizer_bytes(self.opts, ph.meta["val"].element_size())
+                    for ph in self.param_nodes)
         return self.hw.memory_time(moved) + self.hw.launch_s
 
     def _lifetimes(self) -> list[Lifetime]:
@@ -823,9 +824,7 @@ class _Scheduler:
     def _key_bytes(self, key: tuple) -> int:
         if key[0] == "grad":  # a parameter's stored gradient
             ph = key[1]
-            v = ph.meta["val"]
-            elems = local_bytes(v, self._spec(ph).output[0], self.mesh_shape) // v.element_size()
-            return elems * (self.opts.grad_bytes or v.element_size())
+            return self._local_elements(ph) * (self.opts.grad_bytes or ph.meta["val"].element_size())
         if len(key) == 2:  # a value instance
             node = key[0]
             if node.op != "call_function" or is_view(node) or node.target is operator.getitem:

@@ -14,8 +14,7 @@ every copy. Each cost term of the ILP goes to a block and a load:
 
 - a kernel of node n: COMPUTE in n's block (an attention kernel, forward and backward, priced
   by ``cost/schedule.attention_factor``: the spec's attention efficiency, and causal, half its
-  FLOP count; a node activation checkpointing recomputes, once
-  more in its layer's backward);
+  FLOP count; a node activation checkpointing recomputes, once more in its layer's backward);
 - a parameter's move (FSDP gather): HIDDEN in the block before its readers' (prefetched one
   block ahead, as FSDP2 does), once per phase (FSDP2 reshards after the forward and gathers
   again in the backward; the serial sum pays a value's move to a placement once); the first
