@@ -394,6 +394,9 @@ LP_BOUND_SHARE = 0.9
 RINS_FIX = 0.99
 # Share of the time left that the neighbourhood MIP may take (on llama3-8b it needs < 1 s).
 RINS_SHARE = 0.5
+# Where a loose gap is asked, the whole MIP after the neighbourhood gets at most this long: on
+# llama3-70b it spent 52 s at its root (no callback for the stall guard) without a better plan.
+LOOSE_MIP_S = STALL_MIN_S
 # Where the caller accepts a plan at least this far from the bound (``rel_gap``), the interior
 # point stops at LOOSE_IPM_TOLERANCE instead of HiGHS's 1e-8: the bound is valid for any duals
 # (``_lp_bound``) and 1e-5 of the LP's value is nothing beside such a gap. On llama3-8b over 8x8
@@ -754,7 +757,8 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     if incumbent is not None:
         fixed &= incumbent <= 0.5  # the incumbent stays a point
     ub[fixed] = 0.0
-    done = _mip(m, unit, max(0.0, deadline - time.perf_counter()), incumbent, ub, rel_gap)
+    left = max(0.0, deadline - time.perf_counter())
+    done = _mip(m, unit, min(left, LOOSE_MIP_S) if rel_gap >= LOOSE_GAP else left, incumbent, ub, rel_gap)
     done.bound = max(done.bound, lp.bound)
     done.columns = int((~fixed).sum())
     if done.solution is None and incumbent is not None:  # out of time: the incumbent stands
