@@ -304,7 +304,11 @@ attention moves it: the first plan's memory row is 64.7 GiB as before, but its s
 77.4 GiB, over the 74.5-GiB limit (74.3 before), so the budget fit solves three more times (61.1,
 64.1 GiB: both fit, 2.0004 and 1.9803 s); and the first solve's neighbourhood MIP stops at
 1.7824e6 against the LP's 1.69949e6 (4.9%), after which the full MIP runs about 52 s
-(``faulthandler``: in ``_run_mip`` at 35 and 70 s) before the fit starts.
+(``faulthandler``: in ``_run_mip`` at 35 and 70 s) before the fit starts, without a better plan.
+With that MIP capped at ``solver.LOOSE_MIP_S`` (20 s) where a loose gap is asked: 2 layers 11.21
+s, 32 layers 13.13 s (the same plans and gaps); 70B 142.6 -> 48.7 s, the same step (1.6806 s)
+and gap (4.65%): the capped MIP ends on another plan of the same objective, whose memory row is
+63.1 GiB and schedule peak 72.7 GiB, which fits, so the budget fit solves nothing again.
 """
 
 from __future__ import annotations

@@ -273,3 +273,25 @@ def test_an_lp_solved_under_a_tight_budget_bounds_a_larger_one_no_worse_than_wit
     optimum = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
     assert optimum.status == "optimal"
     assert loose.bound * ilp.OBJECTIVE_UNIT_S <= optimum.objective_s * (1 + REL)
+
+
+def test_a_loose_gap_gives_the_last_mip_at_most_its_own_time(tiny, monkeypatch):
+    """Where no plan in hand is within a loose gap, the whole MIP after the neighbourhood runs
+    ``LOOSE_MIP_S`` at most; to the optimum it gets all the time left."""
+    problem, mesh = tiny
+    limits = []
+    real_mip = solver._mip
+
+    def mip(m, unit, time_limit_s, start, upper, rel_gap=solver.MIP_REL_GAP):
+        limits.append((time_limit_s, rel_gap))
+        return real_mip(m, unit, time_limit_s, start, upper, rel_gap)
+
+    monkeypatch.setattr(solver, "_mip", mip)
+    monkeypatch.setattr(solver, "_within", lambda *args: False)  # no plan in hand is close enough
+    gap = 10 * solver.LOOSE_GAP
+    loose = _solve(problem, default_budget(mesh), rel_gap=gap)
+    assert limits[-1][1] == gap and 0.0 < limits[-1][0] <= solver.LOOSE_MIP_S
+    limits.clear()
+    exact = _solve(problem, default_budget(mesh))
+    assert limits[-1][1] == solver.MIP_REL_GAP and limits[-1][0] > solver.LOOSE_MIP_S
+    assert loose.status in ("optimal", "feasible") and exact.status == "optimal"
