@@ -295,20 +295,21 @@ neither 1e-2 nor 1e-3 in 30 s; its duals give no finite bound). Tried on Gemma-2
 the first by interior point with crossover 38.9 s, then the second by dual simplex from its
 basis 35.2 s (16,704 iterations), against 22 s from scratch.
 
-Stop 49 (the cost model from a lent H100's profile, ``benchmarks/device_step.py``: flash
-attention at ``attention_eff`` 0.25 of the bf16 peak, 3.2x its GEMM-rate price, and gradient
-clipping in the optimizer's tail; ``--modes warm --gap 0.01``, a quiet 2-core machine): 2 layers
-10.25 s, gap 0.09%, step 46.5 -> 54.1 ms; 32 layers 11.98 s, gap 0.00%, 311.3 -> 383.1 ms; 70B
-49.2 -> 142.6 s, gap 2.81 -> 4.65%, the auto plan 1.6806 s (fsdp_tp before). 70B's slower
-attention moves it: the first plan's memory row is 64.7 GiB as before, but its schedule peak
-77.4 GiB, over the 74.5-GiB limit (74.3 before), so the budget fit solves three more times (61.1,
-64.1 GiB: both fit, 2.0004 and 1.9803 s); and the first solve's neighbourhood MIP stops at
-1.7824e6 against the LP's 1.69949e6 (4.9%), after which the full MIP runs about 52 s
-(``faulthandler``: in ``_run_mip`` at 35 and 70 s) before the fit starts, without a better plan.
-With that MIP capped at ``solver.LOOSE_MIP_S`` (20 s) where a loose gap is asked: 2 layers 11.21
-s, 32 layers 13.13 s (the same plans and gaps); 70B 142.6 -> 48.7 s, the same step (1.6806 s)
-and gap (4.65%): the capped MIP ends on another plan of the same objective, whose memory row is
-63.1 GiB and schedule peak 72.7 GiB, which fits, so the budget fit solves nothing again.
+Stop 49 (the cost model from a lent H100's profile, ``benchmarks/device_step.py``: flash attention
+at ``attention_eff`` 0.25 of the bf16 peak, 3.2x its GEMM-rate price, and gradient clipping in the
+optimizer's tail; ``--modes warm --gap 0.01``, a quiet 2-core machine): 2 layers 10.25 s, gap
+0.09%, step 46.5 -> 54.1 ms; 32 layers 11.98 s, gap 0.00%, 311.3 -> 383.1 ms; 70B 49.2 -> 142.6 s,
+gap 2.81 -> 4.65%, fsdp_tp returned as before (1.6607 -> 1.6806 s by the schedule; its ILP
+objective 1.8688 s). 70B's slower attention moves it: the first plan's memory row is 64.7 GiB as
+before, but its schedule peak 77.4 GiB, over the 74.5-GiB limit (74.3 before), so the budget fit
+solves three more times (61.1, 64.1 GiB: both fit, 2.0004 and 1.9803 s); and the first solve's
+neighbourhood MIP stops at 1.7824e6 against the LP's 1.69949e6 (4.9%), after which the full MIP
+runs about 52 s (``faulthandler``: in ``_run_mip`` at 35 and 70 s) before the fit starts, without
+a better plan. With that MIP capped at ``solver.LOOSE_MIP_S`` (20 s) where a loose gap is asked: 2
+layers 11.21 s, 32 layers 13.13 s (the same plans and gaps); 70B 142.6 -> 48.7 s, the same step
+(1.6806 s) and gap (4.65%), fsdp_tp returned: the capped MIP ends on an ILP plan of the same
+objective (1.7824e6) whose memory row is 63.1 GiB and schedule peak 72.7 GiB, which fits (1.9803 s
+by the schedule), so the budget fit solves nothing again.
 """
 
 from __future__ import annotations
