@@ -395,7 +395,7 @@ RINS_FIX = 0.99
 # Share of the time left that the neighbourhood MIP may take (on llama3-8b it needs < 1 s).
 RINS_SHARE = 0.5
 # Where a loose gap is asked, the whole MIP after the neighbourhood gets at most this long: on
-# llama3-70b it spent 52 s at its root (no callback for the stall guard) without a better plan.
+# llama3-70b it ran 52 s (the stall guard did not stop it) without a better plan.
 LOOSE_MIP_S = STALL_MIN_S
 # Where the caller accepts a plan at least this far from the bound (``rel_gap``), the interior
 # point stops at LOOSE_IPM_TOLERANCE instead of HiGHS's 1e-8: the bound is valid for any duals
@@ -714,7 +714,8 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
        the incumbent UB;
     4. reduced-cost fixing: a binary or edge column with rc_j > UB - LB is 0 in every plan
        cheaper than UB (every point costs >= LB + rc_j when it is 1; an edge variable is 0 or
-       1 at integral x), so it is fixed out, and HiGHS's MIP solves the rest from UB.
+       1 at integral x), so it is fixed out, and HiGHS's MIP solves the rest from UB (for
+       LOOSE_MIP_S at most where ``rel_gap`` is at least LOOSE_GAP).
 
     The optimum is the whole model's; the bound is the larger of LB and the last MIP's. It stops
     early where the incumbent is within ``rel_gap`` of LB (step 3), or HiGHS of its bound. If
