@@ -25,13 +25,12 @@ import argparse
 import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
 
 import torch
+from device_step import _shardwise  # the command's --json object, its stderr shown if it fails
 
 WARMUP_STEPS = 2
 # A part per kernel or schedule event, by the first pattern its name matches.
@@ -109,10 +108,9 @@ def estimated(case: str, hardware: str, compile: bool) -> tuple[dict[str, float]
     model_name, layers, batch, seq, dtype = case.split(":")
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "step.json")
-        cmd = [sys.executable, "-m", "shardwise", "estimate", "--model", model_name, "--layers", layers,
-               "--batch", batch, "--seq", seq, "--dtype", dtype, "--mesh", "1", "--plan", "ddp",
-               "--hardware", hardware, "--timeline", trace, "--json", *(["--compile"] if compile else [])]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        est = _shardwise(["estimate", "--model", model_name, "--layers", layers, "--batch", batch,
+                          "--seq", seq, "--dtype", dtype, "--mesh", "1", "--plan", "ddp",
+                          "--hardware", hardware, "--timeline", trace, *(["--compile"] if compile else [])])
         with open(trace) as f:
             events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -120,7 +118,7 @@ def estimated(case: str, hardware: str, compile: bool) -> tuple[dict[str, float]
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("compute", "recompute", "optimizer"):
             parts[part(e["name"])] += e["dur"] * 1e-6
-    return dict(parts), json.loads(out.stdout)["step_s"]
+    return dict(parts), est["step_s"]
 
 
 def main() -> None:

@@ -122,14 +122,15 @@ OPTIMIZER_BYTES_PER_ELEMENT = 28
 CLIP_GRAD_PASSES = 3
 FP32_BYTES = 4
 
-_ATTENTION_FWD = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default,
-                            aten._scaled_dot_product_flash_attention.default,
-                            aten._scaled_dot_product_efficient_attention.default,
-                            aten._scaled_dot_product_cudnn_attention.default})
-_ATTENTION_BWD = frozenset({aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                            aten._scaled_dot_product_flash_attention_backward.default,
-                            aten._scaled_dot_product_efficient_attention_backward.default,
-                            aten._scaled_dot_product_cudnn_attention_backward.default})
+# Attention kernels, forward and backward.
+_ATTENTION = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default,
+                        aten._scaled_dot_product_flash_attention.default,
+                        aten._scaled_dot_product_efficient_attention.default,
+                        aten._scaled_dot_product_cudnn_attention.default,
+                        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                        aten._scaled_dot_product_flash_attention_backward.default,
+                        aten._scaled_dot_product_efficient_attention_backward.default,
+                        aten._scaled_dot_product_cudnn_attention_backward.default})
 _MATMULS = frozenset({aten.mm.default, aten.einsum.default, aten.bmm.default, aten.addmm.default})
 
 
@@ -247,14 +248,14 @@ def _schema_arg(node: fx.Node, name: str, default: object) -> object:
 
 
 def is_causal_attention(node: fx.Node) -> bool:
-    return node.target in (_ATTENTION_FWD | _ATTENTION_BWD) and bool(_schema_arg(node, "is_causal", False))
+    return node.target in _ATTENTION and bool(_schema_arg(node, "is_causal", False))
 
 
 def attention_factor(node: fx.Node, hw: Hardware) -> float:
     """What a node's roofline time is multiplied by: an attention kernel runs at the spec's
     ``attention_eff`` (flash attention reaches less of the peak than a GEMM) and, causal, does
     ``CAUSAL_WORK_FRACTION`` of the work its FLOP formula counts; any other node 1."""
-    if node.target not in _ATTENTION_FWD | _ATTENTION_BWD:
+    if node.target not in _ATTENTION:
         return 1.0
     query = node.args[0].meta["val"]
     return hw.attention_slowdown(query.dtype) * (CAUSAL_WORK_FRACTION if is_causal_attention(node) else 1.0)
