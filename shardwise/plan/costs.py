@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial, Shard
 
 from shardwise.cost.compute import roofline_time
 from shardwise.cost.hardware import Hardware
-from shardwise.cost.reshard import ReshardCost, reshard_cost
+from shardwise.cost.reshard import ReshardCost, move_hops, normalise, reshard_cost
 from shardwise.cost.topology import MeshTopology
 from shardwise.ir.flops import NodeCost, is_view, node_cost
 from shardwise.plan.placement import Placements
@@ -41,6 +41,41 @@ def local_bytes(t: torch.Tensor, placements: Placements, mesh_shape: tuple[int, 
     return t.numel() * t.element_size() // shard_factor(placements, mesh_shape)
 
 
+def _makes_partial(src: Placements, dst: Placements) -> bool:
+    """A move that makes some mesh dim ``Partial`` (the lowering's local step at its source)."""
+    return any(isinstance(b, Partial) and a != b for a, b in zip(src, dst, strict=True))
+
+
+@dataclass(frozen=True)
+class MoveNetwork:
+    """One edge's moves as paths over hops they share (``cost/reshard.move_hops``): a move from
+    source i to destination j runs the arcs ``paths[(i, j)]``; ``arcs`` join node indices, each
+    taking ``seconds``. Where the moves are shortest paths over hops (``reshard_path``), a
+    flow of one unit from the producer's placement to the consumer's over these arcs costs that
+    move's time, with fewer columns and rows than one variable per (source, destination)."""
+
+    nodes: int
+    src_node: list[int]  # node of each source placement
+    dst_node: list[int]  # node of each destination placement
+    arcs: list[tuple[int, int]]
+    seconds: np.ndarray
+    paths: dict[tuple[int, int], list[int]]
+
+    def prices(self, times: np.ndarray) -> bool:
+        """Whether the cheapest path between each source and destination over the arcs is the
+        move's own time (``times``, inf where there is no move)."""
+        dist = np.full((self.nodes, self.nodes), np.inf)
+        np.fill_diagonal(dist, 0.0)
+        for (a, b), t in zip(self.arcs, self.seconds, strict=True):
+            dist[a, b] = min(dist[a, b], t)
+        for k in range(self.nodes):
+            np.minimum(dist, dist[:, k:k + 1] + dist[k:k + 1, :], out=dist)
+        got = dist[np.ix_(self.src_node, self.dst_node)]
+        finite = np.isfinite(times)
+        return bool(np.array_equal(finite, np.isfinite(got))
+                    and np.allclose(got[finite], times[finite], rtol=1e-9, atol=1e-15))
+
+
 @dataclass
 class PlannerCosts:
     """Costs for one mesh on one hardware spec."""
@@ -55,6 +90,7 @@ class PlannerCosts:
         self._reshard_cache: dict[tuple, tuple[Placements, Placements, ReshardCost]] = {}
         self._matrix_cache: dict[tuple, tuple[list, list, np.ndarray]] = {}
         self._shares_cache: dict[tuple, tuple[list, list, np.ndarray]] = {}
+        self._network_cache: dict[tuple, tuple[list, list, MoveNetwork | None]] = {}
 
     def compute_time(self, node: fx.Node, s: Strategy) -> float:
         """Roofline time of ``node`` run with strategy ``s`` on local shapes."""
@@ -117,6 +153,59 @@ class PlannerCosts:
                     shares[i, j] /= sum(times)
             hit = self._shares_cache[key] = (srcs, dsts, shares)
         return hit[2]
+
+    def move_network(self, srcs: list[Placements], dsts: list[Placements],
+                     val: torch.Tensor) -> MoveNetwork | None:
+        """The moves of ``val`` from each of ``srcs`` to each of ``dsts`` as paths over shared
+        hops (``MoveNetwork``), or None where that network would make some move cheaper than
+        ``move_times`` or possible where it is not (a hop of one move's path shortcutting
+        another's), so that a flow over it prices every move exactly."""
+        key = (tuple(map(id, srcs)), tuple(map(id, dsts)), val.shape, val.dtype)
+        if key in self._network_cache:
+            return self._network_cache[key][2]
+        times = self.move_times(srcs, dsts, val)
+        shape, itemsize, ndim = tuple(val.shape), val.element_size(), val.dim()
+        node: dict[object, int] = {}
+
+        def at(p: Placements) -> int:
+            return node.setdefault(normalise(p, ndim) or p, len(node))
+
+        arc: dict[tuple[int, int], int] = {}
+        seconds: list[float] = []
+
+        def hop(a: int, b: int, t: float) -> int:
+            k = arc.setdefault((a, b), len(seconds))
+            if k == len(seconds):
+                seconds.append(t)
+            return k
+
+        finite = list(zip(*np.nonzero(np.isfinite(times)), strict=True))
+        # A dim made Partial is a local step at the source (``reshard_path``), so such a move
+        # leaves from the source's own node, which no other move passes through (a Shard
+        # gathered to Replicate on the way cannot be made Partial): the source's flow enters
+        # there, and a free arc takes it on to the shared node of its placement.
+        local = {i for i, j in finite if _makes_partial(srcs[i], dsts[j])}
+        dst_node = [at(q) for q in dsts]
+        src_node = [node.setdefault(("source", i), len(node)) if i in local else at(p)
+                    for i, p in enumerate(srcs)]
+        paths: dict[tuple[int, int], list[int]] = {}
+        for i, j in finite:
+            if src_node[i] == dst_node[j]:
+                continue
+            if _makes_partial(srcs[i], dsts[j]):
+                ((_, _, t),) = move_hops(srcs[i], dsts[j], shape, itemsize, self.topology)
+                paths[(int(i), int(j))] = [hop(src_node[i], dst_node[j], t)]
+                continue
+            path = [hop(src_node[i], at(srcs[i]), 0.0)] if i in local else []
+            if at(srcs[i]) != dst_node[j]:
+                path += [hop(at(a), at(b), t) for a, b, t in move_hops(srcs[i], dsts[j], shape, itemsize,
+                                                                       self.topology)]
+            paths[(int(i), int(j))] = path
+        net = MoveNetwork(len(node), src_node, dst_node, list(arc), np.array(seconds), paths)
+        if not net.prices(times):
+            net = None
+        self._network_cache[key] = (srcs, dsts, net)
+        return net
 
     def reshard(self, src: Placements, dst: Placements, val: torch.Tensor) -> ReshardCost:
         """Redistribution cost; keyed on object identity (strategies hold interned placements,

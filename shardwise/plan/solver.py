@@ -98,6 +98,9 @@ class Model:
     # variable's two ends (the x that make its producer yield p, its consumer need q), each move
     # variable t's rows (t >= sum of terms).
     ends: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # ... and each flow edge's moves (``ilp._add_network``): the arc columns a move runs, with the
+    # x of its source and destination placements (an arc is 1 where some move over it is chosen).
+    paths: list[tuple[list[int], list[int], list[int]]] = field(default_factory=list)
     t_rows: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     # Fills columns that follow from the integer ones but are neither edge nor move variables
     # (``checkpointing.py``'s spread columns, from the counts and the x), before ``t_rows``
@@ -409,12 +412,12 @@ LOOSE_IPM_TOLERANCE = 1e-5
 
 @dataclass
 class _Completion:
-    """``Model.ends`` and ``Model.t_rows`` as flat index arrays, so that ``complete`` is a few
-    numpy reductions instead of a Python loop over ~100k columns."""
+    """``Model.ends``, ``Model.paths`` and ``Model.t_rows`` as flat index arrays, so that
+    ``complete`` is a few numpy reductions instead of a Python loop over ~100k columns."""
 
-    edge_cols: np.ndarray  # every edge variable
+    edge_cols: np.ndarray  # the edge or arc column of each (column, move) entry
     src_cols: np.ndarray  # the x of their sources, concatenated ...
-    src_of: np.ndarray  # ... and which edge (position in edge_cols) each belongs to
+    src_of: np.ndarray  # ... and which entry (position in edge_cols) each belongs to
     dst_cols: np.ndarray
     dst_of: np.ndarray
     # Move and block variables by level: a variable whose rows read another one comes after it.
@@ -424,10 +427,12 @@ class _Completion:
 
 
 def _completion(m: Model) -> _Completion:
-    edge_cols = np.fromiter(m.ends, dtype=np.int64, count=len(m.ends))
+    entries = [(col, *ends) for col, ends in m.ends.items()]
+    entries += [(col, srcs, dsts) for cols, srcs, dsts in m.paths for col in cols]
+    edge_cols = np.fromiter((e[0] for e in entries), dtype=np.int64, count=len(entries))
 
     def flat(side: int) -> tuple[np.ndarray, np.ndarray]:
-        lists = [ends[side] for ends in m.ends.values()]
+        lists = [e[1 + side] for e in entries]
         cols = np.fromiter((c for cs in lists for c in cs), dtype=np.int64)
         return cols, np.repeat(np.arange(len(lists)), [len(cs) for cs in lists])
 
@@ -469,8 +474,8 @@ def round_lp(m: Model, primal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def complete(m: Model, val: np.ndarray) -> np.ndarray:
     """``val`` with its integer columns (and the constant) set, completed into a point of the
     model: the columns ``Model.fill`` sets, each edge variable 1 where both its ends are chosen,
-    each move or block variable at the largest of its rows (``Model.ends``, ``Model.t_rows``; a
-    variable after those its rows read)."""
+    each arc 1 where a move over it is (``Model.paths``), each move or block variable at the
+    largest of its rows (``Model.ends``, ``Model.t_rows``; a variable after those its rows read)."""
     val = val.copy()
     if m.fill is not None:
         m.fill(val)
@@ -480,7 +485,8 @@ def complete(m: Model, val: np.ndarray) -> np.ndarray:
     n = len(c.edge_cols)
     src = np.bincount(c.src_of, weights=val[c.src_cols], minlength=n)
     dst = np.bincount(c.dst_of, weights=val[c.dst_cols], minlength=n)
-    val[c.edge_cols] = ((src > 0.5) & (dst > 0.5)).astype(np.float64)
+    val[c.edge_cols] = 0.0
+    np.maximum.at(val, c.edge_cols, ((src > 0.5) & (dst > 0.5)).astype(np.float64))
     for ts, cols, coefs, row_of, t_of in c.levels:
         rows = np.bincount(row_of, weights=coefs * val[cols], minlength=len(t_of))
         best = np.zeros(len(ts))  # a move or block variable is at least 0
@@ -712,10 +718,12 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     3. a neighbourhood MIP (RINS): the groups the LP decides (>= RINS_FIX) fixed, the rest
        free, from the rounded point where it is one; the cheaper of its plan and ``start`` is
        the incumbent UB;
-    4. reduced-cost fixing: a binary or edge column with rc_j > UB - LB is 0 in every plan
-       cheaper than UB (every point costs >= LB + rc_j when it is 1; an edge variable is 0 or
-       1 at integral x), so it is fixed out, and HiGHS's MIP solves the rest from UB (for
-       LOOSE_MIP_S at most where ``rel_gap`` is at least LOOSE_GAP).
+    4. reduced-cost fixing: a binary, edge or arc column with rc_j > UB - LB is 0 in every
+       plan cheaper than UB (every point costs >= LB + rc_j when it is 1; an edge variable is 0
+       or 1 at integral x, and so is an arc at some cheapest point: an edge's flow costs the
+       sum of its arcs' times in one load of one block, so a path of one unit is among its
+       cheapest), so it is fixed out, and HiGHS's MIP solves the rest from UB (for LOOSE_MIP_S
+       at most where ``rel_gap`` is at least LOOSE_GAP).
 
     The optimum is the whole model's; the bound is the larger of LB and the last MIP's. It stops
     early where the incumbent is within ``rel_gap`` of LB (step 3), or HiGHS of its bound. If
@@ -754,6 +762,7 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
                       bound_any_budget=lp.any_budget)
     fixable = integer.copy()
     fixable[list(m.ends)] = True
+    fixable[[c for cols, _, _ in m.paths for c in cols]] = True
     fixed = fixable & (lp.reduced > upper - lp.bound + DUAL_FEASIBILITY_TOL) & (np.asarray(m.lb) == 0.0)
     if incumbent is not None:
         fixed &= incumbent <= 0.5  # the incumbent stays a point

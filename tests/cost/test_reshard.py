@@ -83,8 +83,8 @@ def test_predicted_collectives_match_dtensor(mesh_shape, src, dst):
 @pytest.mark.parametrize("src, dst", [((S0,), (R,)), ((P,), (S1,)), ((S1,), (S0,)), ((P,), (R,))])
 def test_one_dim_mesh_matches_dtensor(src, dst):
     topo = MeshTopology((4,), "cpu")
-    got = emitted((4,), src, dst, GLOBAL)
-    assert [(u.kind, u.bytes) for u in reshard_cost(src, dst, GLOBAL, FLOAT_BYTES, topo).collectives] == got
+    hops, cost = reshard_path(src, dst, GLOBAL, FLOAT_BYTES, topo)
+    assert [(u.kind, u.bytes) for u in cost.collectives] == emitted((4,), src, dst, GLOBAL, hops)
 
 
 def test_three_dim_mesh_matches_dtensor():
@@ -102,7 +102,6 @@ def test_transitions_and_bytes_on_gpus():
         ((S0,), (R,)): [(K.ALL_GATHER, full)],          # gathered output
         ((P,), (R,)): [(K.ALL_REDUCE, full)],
         ((P,), (S1,)): [(K.REDUCE_SCATTER, full)],      # full input
-        ((S0,), (S1,)): [(K.ALL_TO_ALL, full // 8)],    # local input
         ((R,), (S0,)): [],                              # local slice
         ((R,), (P,)): [],                               # zeros on the other ranks
         ((S1,), (S1,)): [],
@@ -111,6 +110,13 @@ def test_transitions_and_bytes_on_gpus():
         cost = reshard_cost(src, dst, GLOBAL, 2, topo)
         assert [(u.kind, u.bytes) for u in cost.collectives] == want
         assert (cost.time_s > 0) == bool(want)
+    # S(0) -> S(1) all_to_alls the local input; on a tensor this small, all_gathering it and
+    # slicing is cheaper (the all_to_all's latency: NCCL runs it with the Simple protocol only)
+    big = (4096, 4096)
+    assert [(u.kind, u.bytes) for u in reshard_cost((S0,), (S1,), big, 2, topo).collectives] == [
+        (K.ALL_TO_ALL, 4096 * 4096 * 2 // 8)]
+    hops, cost = reshard_path((S0,), (S1,), GLOBAL, 2, topo)
+    assert hops == ((R,), (S1,)) and [(u.kind, u.bytes) for u in cost.collectives] == [(K.ALL_GATHER, full)]
 
 
 def test_impossible_transitions_are_infinite():
@@ -126,11 +132,17 @@ def test_impossible_transitions_are_infinite():
 
 
 def test_cross_node_dim_costs_more_and_calls_are_cached():
+    """A gather over dp (across nodes) goes through tp: sliced over tp, the slow link carries an
+    eighth of the bytes, then the fast one gathers the whole; still dearer than a gather over tp."""
     topo = MeshTopology((8, 8), "h100")
     shape = (4096, 4096)
-    dp = reshard_cost((S0, R), (R, R), shape, 2, topo)
+    hops, dp = reshard_path((S0, R), (R, R), shape, 2, topo)
     tp = reshard_cost((R, S0), (R, R), shape, 2, topo)
-    assert dp.collectives[0].bytes == tp.collectives[0].bytes and dp.time_s > 3 * tp.time_s
+    assert hops == ((S0, S1), (R, S1), (R, R))
+    assert [(u.kind, u.mesh_dim, u.bytes * 8 // math.prod(shape) // 2) for u in dp.collectives] == [
+        (K.ALL_GATHER, 0, 1), (K.ALL_GATHER, 1, 8)]
+    assert dp.time_s < topo.collective_time(K.ALL_GATHER, math.prod(shape) * 2, 0)  # DTensor's one
+    assert dp.time_s > tp.time_s
     hits = reshard_path.cache_info().hits
     reshard_cost((S0, R), (R, R), shape, 2, MeshTopology((8, 8), "h100"))
     assert reshard_path.cache_info().hits == hits + 1
@@ -149,7 +161,7 @@ def test_a_gradient_partial_over_both_dims_is_reduced_over_the_fast_dim_first():
     full = math.prod(shape) * 2
     straight = topo.collective_time(K.ALL_REDUCE, full, 0) + topo.collective_time(K.REDUCE_SCATTER, full, 1)
     assert cost.time_s < straight / 3
-    assert reshard_path((S0, R), (R, R), shape, 2, topo)[0] == ((R, R),)
+    assert reshard_path((R, S0), (R, R), shape, 2, topo)[0] == ((R, R),)
     # a dim made Partial is the lowering's local step, never a hop
     assert reshard_path((S0, R), (R, P), shape, 2, topo)[0] == ((R, P),)
 

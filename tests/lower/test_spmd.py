@@ -94,11 +94,16 @@ def _signature(gm) -> list[tuple]:
 
 
 def test_shard_to_shard_is_one_all_to_all():
-    """S(1) -> S(0) is an all_to_all_single (DTensor's CPU path would all_gather instead)."""
+    """S(1) -> S(0) is an all_to_all_single (DTensor's CPU path would all_gather instead); on a
+    tensor too small for that to pay (its latency), an all_gather and a local slice."""
+    traced, plan = transpose_plan(1024, 1024)
+    prog = lower(traced, plan)
+    # The all_to_all sends this rank's whole [1024, 512] piece of fp32.
+    assert as_json(count_graph(prog.gm)) == {"all_to_all": {"count": 1, "bytes": 1024 * 512 * 4}}
+    assert prog.outputs[0].placements == (S0,) and prog.unplanned == []
     traced, plan = transpose_plan(4, 6)
     prog = lower(traced, plan)
-    # The all_to_all sends this rank's whole [4, 3] piece of fp32.
-    assert as_json(count_graph(prog.gm)) == {"all_to_all": {"count": 1, "bytes": 4 * 3 * 4}}
+    assert as_json(count_graph(prog.gm)) == {"all_gather": {"count": 1, "bytes": 4 * 6 * 4}}
     assert prog.outputs[0].placements == (S0,) and prog.unplanned == []
 
 

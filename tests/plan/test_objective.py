@@ -72,18 +72,21 @@ def test_a_gathers_later_collective_on_the_inner_dim_is_waited_for(tiny):
                                                                              Load.EXPOSED: {0: 0.25}}
 
 
-@pytest.mark.parametrize("src,queued", [(("S(0)", "S(1)"), True), (("S(0)", "S(0)"), False)])
-def test_a_move_s_share_queued_on_the_inner_dim(src, queued):
+@pytest.mark.parametrize("src,dims", [(("S(0)", "S(1)"), (0, 1)), (("S(0)", "S(0)"), (1, 0, 1))])
+def test_a_move_s_share_queued_on_the_inner_dim(src, dims):
     """(S(0), S(1)) -> (R, R) gathers over dp, then over tp: the tp gather waits for the dp one.
-    (S(0), S(0)) -> (R, R) gathers over tp first: what waits is on the outer dim (FSDP over
-    both dims: its gathers pipeline over the two streams)."""
+    (S(0), S(0)) -> (R, R) gathers an eighth over tp, then over dp, then the whole over tp
+    (``cost/reshard.hop_tree``): the first tp gather runs at once, the last one waits."""
     costs = PlannerCosts((8, 8), get_hardware("h100"))
     val = torch.empty((4096, 4096), dtype=torch.bfloat16, device="meta")
     parse = {"S(0)": Shard(0), "S(1)": Shard(1)}
     srcs, dsts = [intern(tuple(parse[p] for p in src))], [intern((Replicate(), Replicate()))]
+    uses = costs.reshard(srcs[0], dsts[0], val).collectives
+    assert tuple(u.mesh_dim for u in uses) == dims
+    times = [costs.topology.collective_time(u.kind, u.bytes, u.mesh_dim) for u in uses]
     first, later = costs.move_shares(srcs, dsts, val)[0, 0]
     assert first + later == pytest.approx(1.0)
-    assert bool(later > 0.0) is queued
+    assert later == pytest.approx(times[-1] / sum(times))
 
 
 def test_a_plan_without_collectives_is_priced_as_the_schedule_prices_it():

@@ -1,0 +1,106 @@
+"""An edge's moves as a flow over the hops they share (``PlannerCosts.move_network``,
+``ilp._add_network``) price every move exactly: the cheapest flow from a source placement to a
+destination costs that move's time, and one that no move allows has no flow; the placement ILP
+with flow edges finds the optimum it finds with transport pairs only."""
+
+from __future__ import annotations
+
+import itertools
+
+import highspy
+import numpy as np
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardwise.cost.hardware import get_hardware
+from shardwise.cost.step import torchtitan_options
+from shardwise.plan import ilp, solver
+from shardwise.plan.costs import PlannerCosts
+from shardwise.plan.objective import ScheduleObjective
+from shardwise.plan.planner import default_budget
+from shardwise.plan.strategies import intern
+from tests.plan.test_pricing import CASES, REL, TIME_LIMIT_S, _problem
+
+R, P = Replicate(), Partial()
+
+
+def _placements(ndim: int, mesh_ndim: int) -> list:
+    return [intern(t) for t in itertools.product([R, P, *(Shard(d) for d in range(ndim))], repeat=mesh_ndim)]
+
+
+def _cheapest_flow(net, i: int, j: int) -> float:
+    """The min-cost flow of one unit from source i's node to destination j's (inf: infeasible)."""
+    h = solver._highs(TIME_LIMIT_S)  # one thread, as every HiGHS of the process must have
+    for t in net.seconds:
+        h.addVar(0.0, 1.0)
+        h.changeColCost(h.getNumCol() - 1, float(t) * 1e6)
+    for node in range(net.nodes):
+        arcs = [(k, 1.0) for k, (a, _) in enumerate(net.arcs) if a == node]
+        arcs += [(k, -1.0) for k, (_, b) in enumerate(net.arcs) if b == node]
+        rhs = (node == net.src_node[i]) - (node == net.dst_node[j])
+        h.addRow(rhs, rhs, len(arcs), [k for k, _ in arcs], [c for _, c in arcs])
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return np.inf
+    return h.getInfo().objective_function_value / 1e6
+
+
+@pytest.mark.parametrize("mesh", [(8, 8), (2, 4)])
+def test_the_cheapest_flow_is_each_moves_time(mesh):
+    costs = PlannerCosts(mesh, get_hardware("h100"))
+    val = torch.empty((16, 8192, 4096), dtype=torch.bfloat16, device="meta")
+    ps = _placements(3, 2)
+    net = costs.move_network(ps, ps, val)
+    times = costs.move_times(ps, ps, val)
+    assert net is not None
+    assert len(net.arcs) < 0.6 * np.isfinite(times).sum()  # fewer columns than (p, q) pairs
+    for (i, j), path in net.paths.items():
+        assert sum(net.seconds[k] for k in path) == pytest.approx(times[i, j], rel=1e-12)
+    rng = np.random.default_rng(0)
+    pairs = [tuple(ij) for ij in rng.integers(0, len(ps), size=(12, 2))]
+    # S(0) -> P is no move (the lowering makes a dim Partial only from Replicate, before any
+    # redistribute), though R -> P is, and S(0) -> R on the way is: still no flow
+    pairs.append((ps.index(intern((R, Shard(0)))), ps.index(intern((R, P)))))
+    assert times[pairs[-1]] == np.inf
+    for i, j in pairs:
+        assert _cheapest_flow(net, i, j) == pytest.approx(times[i, j], rel=1e-9, abs=1e-12)
+
+
+def test_a_network_that_would_shortcut_a_move_is_refused():
+    """Moves priced by another rule than the hops' shortest paths: the network is not exact."""
+    costs = PlannerCosts((8, 8), get_hardware("h100"))
+    val = torch.empty((16, 8192, 4096), dtype=torch.bfloat16, device="meta")
+    ps = _placements(3, 2)
+    net = costs.move_network(ps, ps, val)
+    times = costs.move_times(ps, ps, val).copy()
+    assert net.prices(times)
+    i, j = next((i, j) for (i, j), path in net.paths.items() if len(path) > 1 and times[i, j] > 0.0)
+    times[i, j] *= 0.5  # a move cheaper than its hops
+    assert not net.prices(times)
+    times[i, j] = np.inf  # or none at all
+    assert not net.prices(times)
+
+
+@pytest.mark.parametrize("case", ["llama-tiny 4", "hf qwen2 2x2"])
+@pytest.mark.parametrize("objective", ["serial", "schedule"])
+def test_flow_edges_give_the_transport_models_optimum(case, objective, monkeypatch):
+    model, mesh, shape = CASES[case]
+    tr, ns, clus, costs = _problem(model, mesh, **shape)
+
+    def solve():
+        schedule = ScheduleObjective(tr, clus, costs, torchtitan_options(tr))
+        return ilp.solve(tr, ns, clus, costs, memory_budget=default_budget(mesh), time_limit_s=TIME_LIMIT_S,
+                         schedule=schedule if objective == "schedule" else None)
+
+    flows = solve()
+    built = []
+    real_add = ilp._add_network
+    monkeypatch.setattr(ilp, "_add_network", lambda *a: built.append(1) or real_add(*a))
+    solve()
+    assert built  # the model has flow edges
+    monkeypatch.setattr(PlannerCosts, "move_network", lambda self, *a: None)
+    transport = solve()
+    assert flows.status == transport.status == "optimal"
+    assert flows.objective_s == pytest.approx(transport.objective_s, rel=REL)
+    assert flows.n_vars < transport.n_vars
