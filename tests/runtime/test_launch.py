@@ -72,7 +72,7 @@ def test_hand_plans_on_two_ranks_match_the_reference():
     """DDP- and FSDP-like placements, an S(1) -> S(0) all_to_all, on one launch of two ranks."""
     mlp = tiny_mlp_traced()
     llama = trace_model("llama-tiny", **SHAPE)
-    transpose, tplan = transpose_plan(4, 6)
+    transpose, tplan = transpose_plan(1024, 1024)  # large enough that the all_to_all pays
     programs = [
         lower(mlp, hand_plan(mlp, (2,), (R,), (S0,))),
         lower(llama, hand_plan(llama, (2,), (S0,), (S0,))),
