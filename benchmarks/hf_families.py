@@ -61,6 +61,10 @@ layers 498.522 (499.626), Qwen2-7B 1907.139 (1967.949), gemma 664.475 (666.142),
 1687.444 (gap 0.4%, 75.6 s), gpt2 23.372 (24.073), pythia 378.988 (379.952), bloom 205.866
 (208.582); the others in 11.3-37.4 s. (Before attention's rate was limited to half precision,
 it doubled Qwen2-7B's fp32 attention on no evidence: 3842.424 ms.)
+Stop 50 (moves as shortest paths of one-mesh-dim hops; flow edges in the ILP): every auto plan <=
+its best hand plan, no fallback ops; Qwen2-7B 1907.139 -> 1833.441 ms (37.4 -> 25.5 s); phi3 2
+layers 43.428 (22.1 s), 32 layers 498.423 (32.2 s), gemma 664.555 (21.8 s), gpt2 23.372 (10.4 s),
+pythia 378.988, bloom 205.866; Gemma-2 1687.444 (gap 0.3%, 74.1 s).
 """
 
 from __future__ import annotations

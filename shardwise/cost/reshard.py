@@ -37,7 +37,7 @@ slice and an all_gather of an eighth through hops (``hop_tree``). So a move is p
 lowered, as the cheaper of DTensor's one plan and the shortest path of ``redistribute`` calls
 that each change one mesh dim; the lowering redistributes through the same intermediate
 placements (``lower/spmd.py``), so the collectives priced are the ones run. The planner's
-network edges (``plan/ilp.py``) rely on it: a move's cost is a shortest path over such hops.
+flow edges (``plan/ilp.py``) rely on it: a move's cost is a shortest path over such hops.
 Not modelled: DTensor merging consecutive same-kind steps into one collective over a flattened
 mesh, which it does only when the user has created that flattened mesh (``mesh._flatten``).
 """

@@ -198,8 +198,8 @@ class PlannerCosts:
                 continue
             path = [hop(src_node[i], at(srcs[i]), 0.0)] if i in local else []
             if at(srcs[i]) != dst_node[j]:
-                path += [hop(at(a), at(b), t) for a, b, t in move_hops(srcs[i], dsts[j], shape, itemsize,
-                                                                       self.topology)]
+                hops = move_hops(srcs[i], dsts[j], shape, itemsize, self.topology)
+                path += [hop(at(a), at(b), t) for a, b, t in hops]
             paths[(int(i), int(j))] = path
         net = MoveNetwork(len(node), src_node, dst_node, list(arc), np.array(seconds), paths)
         if not net.prices(times):
