@@ -129,7 +129,7 @@ def normalise(ps: Placements, ndim: int) -> Placements | None:
             if not -ndim <= p.dim < ndim:
                 return None
             out.append(Shard(p.dim % ndim))
-        elif isinstance(p, Replicate | Partial) and type(p) in (Replicate, Partial):
+        elif type(p) in (Replicate, Partial):
             out.append(p)
         else:  # _StridedShard and other placements: not priced
             return None
@@ -137,7 +137,7 @@ def normalise(ps: Placements, ndim: int) -> Placements | None:
 
 
 def _mixed_partials(ps: Placements) -> bool:
-    return len({p.reduce_op for p in ps if isinstance(p, Partial)}) > 1
+    return len({p.reduce_op for p in ps if type(p) is Partial}) > 1
 
 
 def local_shape(placements: Placements, global_shape: tuple[int, ...],
@@ -168,33 +168,39 @@ def reshard_path(src: Placements, dst: Placements, global_shape: tuple[int, ...]
         return (tuple(dst),), IMPOSSIBLE
     shape = tuple(global_shape)
     best = ((tuple(dst),), _dtensor_cost(s, d, shape, itemsize, topology))
-    if s == d or any(isinstance(b, Partial) and a != b for a, b in zip(s, d, strict=True)):
+    if s == d or any(type(b) is Partial and a != b for a, b in zip(s, d, strict=True)):
         return best
     tree = hop_tree(s, shape, itemsize, topology)
-    if d not in tree or not tree[d][0] < best[1].time_s * (1.0 - PATH_GAIN):
+    start, end = _codes(s), _codes(d)
+    if end not in tree or not tree[end][0] < best[1].time_s * (1.0 - PATH_GAIN):
         return best  # on a tie DTensor's one redistribute is kept
-    hops = [d]
-    while tree[hops[-1]][1] != s:
-        hops.append(tree[hops[-1]][1])
-    hops.reverse()
+    codes = [end]
+    while tree[codes[-1]][1] != start:
+        codes.append(tree[codes[-1]][1])
+    hops = [_placements(c) for c in reversed(codes)]
     steps = zip((s, *hops[:-1]), hops, strict=True)
     uses = tuple(u for a, b in steps for u in _dtensor_cost(a, b, shape, itemsize, topology).collectives)
-    return tuple(hops), ReshardCost(tree[d][0], uses)
+    return tuple(hops), ReshardCost(tree[end][0], uses)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def hop_tree(src: Placements, global_shape: tuple[int, ...], itemsize: int,
-             topology: MeshTopology) -> dict[Placements, tuple[float, Placements]]:
+             topology: MeshTopology) -> dict[tuple, tuple[float, tuple]]:
     """Shortest paths from ``src`` (normalised) over hops that each change one mesh dim to
     ``Replicate`` or a ``Shard`` (one DTensor ``redistribute``, priced by ``_dtensor_cost``):
-    placement -> (seconds, the placement before it). Moving one dim at a time can be much
-    cheaper than DTensor's one plan: ``(R, S(0)) -> (S(0), R)`` over 8x8 all_gathers the whole
-    tensor over tp in that plan, but all_to_alls over tp to ``(R, S(1))``, slices over dp to
-    ``(S(0), S(1))`` and gathers an eighth over tp through hops (2.75 -> 0.77 ms for a bf16
-    16 x 8192 x 4096 activation on h100). Ties keep the path of fewer hops."""
-    options = (Replicate(), *(Shard(i) for i in range(len(global_shape))))
-    done: dict[Placements, tuple[float, Placements]] = {}
-    heap = [(0.0, 0, 0, src, src)]
+    placement -> (seconds, the placement before it), each as its codes (``_codes``).
+
+    Moving one dim at a time can be much cheaper than DTensor's one plan. Over 8x8, that plan
+    takes ``(R, S(0)) -> (S(0), R)`` by an all_gather of the whole tensor over tp; the hops
+    all_to_all over tp to ``(R, S(1))``, slice over dp to ``(S(0), S(1))`` and gather an
+    eighth over tp (2.75 -> 0.77 ms for a bf16 16 x 8192 x 4096 activation on h100). Ties keep
+    the path of fewer hops. The search runs on codes (placement objects hash and compare in
+    Python, slowly), and each hop's cost is kept per shape and mesh for other sources' searches."""
+    options = (_REPLICATE, *range(len(global_shape)))
+    arcs = _ARC_COSTS.setdefault((global_shape, itemsize, topology), {})
+    start = _codes(src)
+    done: dict[tuple, tuple[float, tuple]] = {}
+    heap = [(0.0, 0, 0, start, start)]
     order = itertools.count(1)
     while heap:
         t, n, _, at, before = heapq.heappop(heap)
@@ -208,10 +214,29 @@ def hop_tree(src: Placements, global_shape: tuple[int, ...], itemsize: int,
                 nxt = (*at[:i], p, *at[i + 1:])
                 if nxt in done:
                     continue
-                c = _dtensor_cost(at, nxt, global_shape, itemsize, topology).time_s
+                c = arcs.get((at, nxt))
+                if c is None:
+                    c = arcs[(at, nxt)] = _dtensor_cost(_placements(at), _placements(nxt), global_shape,
+                                                        itemsize, topology).time_s
                 if c != math.inf:
                     heapq.heappush(heap, (t + c, n + 1, next(order), nxt, at))
     return done
+
+
+# Placement codes for ``hop_tree``: Shard(d) is d, Replicate this, Partial its reduce op's name.
+_REPLICATE = -1
+_ARC_COSTS: dict[tuple, dict[tuple[tuple, tuple], float]] = {}
+
+
+def _codes(ps: Placements) -> tuple:
+    return tuple(p.dim if type(p) is Shard else _REPLICATE if type(p) is Replicate else p.reduce_op
+                 for p in ps)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _placements(codes: tuple) -> Placements:
+    return tuple(Shard(c) if type(c) is int and c >= 0 else Replicate() if c == _REPLICATE else Partial(c)
+                 for c in codes)
 
 
 def move_hops(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
@@ -269,17 +294,17 @@ def _step_collective(step: Step, n: int, local_bytes: int):
     a, b, dim = step.src, step.dst, step.mesh_dim
     if n == 1:  # DTensor skips every step on a size-1 mesh dim, before looking at the placements
         return None
-    if isinstance(b, Partial):
-        if isinstance(a, Replicate):
+    if type(b) is Partial:
+        if type(a) is Replicate:
             return None
         return IMPOSSIBLE  # Shard -> Partial, or one reduction into another
-    if isinstance(b, Replicate):
-        if isinstance(a, Partial):
+    if type(b) is Replicate:
+        if type(a) is Partial:
             return CollectiveUse(CollectiveKind.ALL_REDUCE, dim, local_bytes)
         return CollectiveUse(CollectiveKind.ALL_GATHER, dim, local_bytes * n)
     # target is Shard
-    if isinstance(a, Partial):
+    if type(a) is Partial:
         return CollectiveUse(CollectiveKind.REDUCE_SCATTER, dim, local_bytes)
-    if isinstance(a, Replicate):
+    if type(a) is Replicate:
         return None
     return CollectiveUse(CollectiveKind.ALL_TO_ALL, dim, local_bytes)
