@@ -95,6 +95,7 @@ from shardwise.plan.placement import Placements, view_base_placements
 from shardwise.plan.plan import tensor_args
 from shardwise.plan.solver import (
     MIP_REL_GAP,
+    Flow,
     LpRun,
     Model,
     add_terms,
@@ -553,8 +554,9 @@ def _add_network(m: _Model, supply: dict[Placements, list[int]], demand: dict[Pl
     for row in rows:
         if row:
             m.row(0.0, 0.0, row)
-    m.paths.extend(([first + k for k in path], supply[srcs[i]], demand[dsts[j]])
-                   for (i, j), path in net.paths.items())
+    m.flows.append(Flow(first + np.arange(len(net.arcs)),
+                        [([first + k for k in path], supply[srcs[i]], demand[dsts[j]])
+                         for (i, j), path in net.paths.items()]))
     paid = np.flatnonzero(net.seconds > 0.0)
     return _Paid((first + paid).tolist(), [0] * len(paid), net.seconds[paid].tolist())
 

@@ -104,3 +104,27 @@ def test_flow_edges_give_the_transport_models_optimum(case, monkeypatch):
     assert flows.status == transport.status == "optimal"
     assert flows.objective_s == pytest.approx(transport.objective_s, rel=REL)
     assert flows.n_vars < transport.n_vars
+
+
+def test_only_the_arcs_of_moves_still_open_stay_in_the_mip():
+    """``solver.restrict_flows``: with one source and one destination left open, the arcs left
+    are those of that move's path (all of them where every placement is open)."""
+    costs = PlannerCosts((8, 8), get_hardware("h100"))
+    val = torch.empty((16, 8192, 4096), dtype=torch.bfloat16, device="meta")
+    ps = _placements(3, 2)
+    net = costs.move_network(ps, ps, val)
+    m = ilp._Model()
+    supply, demand = ({p: [m.var(0.0)] for p in ps} for _ in range(2))
+    ilp._add_network(m, supply, demand, net)
+    (flow,) = m.flows
+    ub = np.array(m.ub)
+    solver.restrict_flows(m, ub)
+    assert (ub[flow.arcs] == 1.0).all()
+    (i, j), path = max(net.paths.items(), key=lambda kv: len(kv[1]))
+    for p in ps:
+        if p is not ps[i]:
+            ub[supply[p]] = 0.0
+        if p is not ps[j]:
+            ub[demand[p]] = 0.0
+    solver.restrict_flows(m, ub)
+    assert set(np.flatnonzero(ub[flow.arcs]).tolist()) == set(path) and len(path) > 1
