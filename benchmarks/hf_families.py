@@ -64,7 +64,9 @@ it doubled Qwen2-7B's fp32 attention on no evidence: 3842.424 ms.)
 Stop 50 (moves as shortest paths of one-mesh-dim hops; flow edges in the ILP): every auto plan <=
 its best hand plan, no fallback ops; Qwen2-7B 1907.139 -> 1833.441 ms (37.4 -> 25.5 s); phi3 2
 layers 43.428 (22.1 s), 32 layers 498.423 (32.2 s), gemma 664.555 (21.8 s), gpt2 23.372 (10.4 s),
-pythia 378.988, bloom 205.866; Gemma-2 1687.444 (gap 0.3%, 74.1 s).
+pythia 378.988, bloom 205.866; Gemma-2 1687.444 (gap 0.3%, 74.1 s). With ``solver.restrict_flows``
+after (the machine slower by then): Qwen2-7B 1838.967 ms (29.0 s), the others the same plans in
+11.8-37.4 s, Gemma-2 81.9 s.
 """
 
 from __future__ import annotations

@@ -311,14 +311,17 @@ layers 11.21 s, 32 layers 13.13 s (the same plans and gaps); 70B 142.6 -> 48.7 s
 objective (1.7824e6) whose memory row is 63.1 GiB and schedule peak 72.7 GiB, which fits (1.9803 s
 by the schedule), so the budget fit solves nothing again.
 
-Stop 50 (a move is the shortest path of one-mesh-dim redistributes, ``cost/reshard.hop_tree``,
-and an edge that pays for its moves alone is a flow over those hops, ``ilp._add_network``; a
-quiet 2-core machine): ``--gap 0.01``: 2 layers 11.21 -> 9.62 s (72,144 columns, 86,386 before;
-the interior-point LP 7.7 -> 6.2 s, the same plan, 54.1 ms, gap 0.09%); 32 layers 13.13 -> 11.83
-s, a faster plan (383.1 -> 355.0 ms by the schedule; its ILP objective 364.1 ms); 70B 48.7 ->
-51.3 s, fsdp_tp as before (1.6803 s), gap 4.65%. To the optimum, main (run back to back, with
-``PYTHONPATH`` on each checkout) -> this: 2 layers 13.51 -> 12.14 s, 32 layers 14.88 -> 13.53 s,
-both "optimal". What remains of the 2-layer LP is mostly the edges whose producer moves a
+Stop 50 (a move is the shortest path of one-mesh-dim redistributes, ``cost/reshard.hop_tree``;
+an edge that pays for its moves alone is a flow over those hops, ``ilp._add_network``; the MIPs
+keep only the arcs of moves still open, ``solver.restrict_flows``). Stop 49's main and this run
+back to back (``PYTHONPATH`` on each checkout; this machine's speed varied by up to 40% over the
+session, so only such pairs compare), ``--gap 0.01``: 2 layers 11.63 -> 9.73 s (72,144 columns,
+86,386 before; the interior-point LP 7.7 -> 6.2 s; the same plan, 54.1 ms, gap 0.09%); 32 layers
+14.18 -> 11.84 s and a faster plan (383.1 -> 355.0 ms by the schedule; its ILP objective 364.1
+ms); 70B 46.0 -> 48.1 s, fsdp_tp as before (1.6803 s), gap 4.65% (its build 1.5 -> 2.2 s; the
+neighbourhood MIP with flows took 16.4 s until ``restrict_flows``, 6.8-9.4 s since, 7.9 s with
+transport pairs). To the optimum (before ``restrict_flows``): 2 layers 13.51 -> 12.14 s, 32
+layers 14.88 -> 13.53 s, both "optimal". What remains of the 2-layer LP is mostly the edges whose producer moves a
 placement once for several readers (44k of its 72k columns, transport pairs): with every edge a
 flow (their pay-once dropped, an experiment only) the LP took 2.7 s. One column per (p, q) and
 group instead (E[p, q] <= y[p], sum_p E[p, q] >= each reader's z[q]) was tried and not kept: its
