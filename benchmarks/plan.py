@@ -321,14 +321,14 @@ session, so only such pairs compare), ``--gap 0.01``: 2 layers 11.63 -> 9.73 s (
 ms); 70B 46.0 -> 48.1 s, fsdp_tp as before (1.6803 s), gap 4.65% (its build 1.5 -> 2.2 s; the
 neighbourhood MIP with flows took 16.4 s until ``restrict_flows``, 6.8-9.4 s since, 7.9 s with
 transport pairs). To the optimum (before ``restrict_flows``): 2 layers 13.51 -> 12.14 s, 32
-layers 14.88 -> 13.53 s, both "optimal". What remains of the 2-layer LP is mostly the edges whose producer moves a
-placement once for several readers (44k of its 72k columns, transport pairs): with every edge a
-flow (their pay-once dropped, an experiment only) the LP took 2.7 s. One column per (p, q) and
-group instead (E[p, q] <= y[p], sum_p E[p, q] >= each reader's z[q]) was tried and not kept: its
-LP took 8.95 s, its bound fell 53,807 -> 50,459 and its rounding was 70% over. Nor a flow per
-edge of such a group with a free sink at the source, which an edge may take where an earlier
-edge of the group reads the same placement (so the first reader pays): 57k columns, but the LP
-took 6.25 s and its bound fell to 52,487.
+layers 14.88 -> 13.53 s, both "optimal". What remains of the 2-layer LP is mostly the edges
+whose producer moves a placement once for several readers (44k of its 72k columns, transport
+pairs): with every edge a flow (their pay-once dropped, an experiment only) the LP took 2.7 s.
+One column per (p, q) and group instead (E[p, q] <= y[p], sum_p E[p, q] >= each reader's z[q])
+was tried and not kept: its LP took 8.95 s, its bound fell 53,807 -> 50,459 and its rounding was
+70% over. Nor a flow per edge of such a group with a free sink at the source, which an edge may
+take where an earlier edge of the group reads the same placement (so the first reader pays):
+57k columns, but the LP took 6.25 s and its bound fell to 52,487.
 """
 
 from __future__ import annotations

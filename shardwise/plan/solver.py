@@ -95,14 +95,8 @@ def restrict_flows(m: Model, ub: np.ndarray) -> None:
     the neighbourhood MIP 7.9 s with transport pairs, 16.4 s with flows, 6.8-9.4 s restricted)."""
     if m._flow_moves is None:
         moves = [move for flow in m.flows for move in flow.moves]
-
-        def flat(side: int) -> tuple[np.ndarray, np.ndarray]:
-            cols = [move[side] for move in moves]
-            return (np.fromiter((c for cs in cols for c in cs), dtype=np.int64),
-                    np.repeat(np.arange(len(cols)), [len(cs) for cs in cols]))
-
         arcs = np.concatenate([flow.arcs for flow in m.flows]) if m.flows else np.zeros(0, dtype=np.int64)
-        m._flow_moves = (len(moves), flat(0), flat(1), flat(2), arcs)
+        m._flow_moves = (len(moves), *(_flat([move[side] for move in moves]) for side in range(3)), arcs)
     n, (arc_cols, arc_of), (src_cols, src_of), (dst_cols, dst_of), arcs = m._flow_moves
     open_src = np.bincount(src_of, weights=ub[src_cols] > 0.0, minlength=n) > 0.0
     open_dst = np.bincount(dst_of, weights=ub[dst_cols] > 0.0, minlength=n) > 0.0
@@ -465,11 +459,6 @@ def _completion(m: Model) -> _Completion:
     entries += [(col, srcs, dsts) for flow in m.flows for cols, srcs, dsts in flow.moves for col in cols]
     edge_cols = np.fromiter((e[0] for e in entries), dtype=np.int64, count=len(entries))
 
-    def flat(side: int) -> tuple[np.ndarray, np.ndarray]:
-        lists = [e[1 + side] for e in entries]
-        cols = np.fromiter((c for cs in lists for c in cs), dtype=np.int64)
-        return cols, np.repeat(np.arange(len(lists)), [len(cs) for cs in lists])
-
     level: dict[int, int] = {}
     for t, rows in m.t_rows.items():  # in the order added: what a row reads is levelled first
         level[t] = 1 + max((level.get(e, -1) for terms in rows for e in terms), default=-1)
@@ -487,7 +476,13 @@ def _completion(m: Model) -> _Completion:
         levels.append((np.array(ts, dtype=np.int64), np.array(cols, dtype=np.int64),
                        np.array(coefs, dtype=np.float64), np.array(row_of, dtype=np.int64),
                        np.array(t_of, dtype=np.int64)))
-    return _Completion(edge_cols, *flat(0), *flat(1), levels)
+    return _Completion(edge_cols, *_flat([e[1] for e in entries]), *_flat([e[2] for e in entries]), levels)
+
+
+def _flat(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists of columns concatenated, and the list each column came from."""
+    cols = np.fromiter((c for cs in lists for c in cs), dtype=np.int64)
+    return cols, np.repeat(np.arange(len(lists)), [len(cs) for cs in lists])
 
 
 def round_lp(m: Model, primal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
