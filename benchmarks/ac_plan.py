@@ -62,7 +62,8 @@ auto / hand 1.009, 1.036, 1.331, 1.116, 1.300, 1.118; planning 11.2, 10.9, 37.0,
 Stop 50 (moves as shortest paths of one-mesh-dim hops; flow edges in the ILP): every row fits and
 is >= its hand plan; auto / hand 1.009, 1.036, 1.391, 1.166, 1.306, 1.123 (8B 64 GPU: 6,259.5 and
 6,266.3 tokens/s); planning 11.1, 10.1, 50.6, 50.4, 149.8, 137.3 s (with ``solver.restrict_flows``
-after: 8B 64 GPU 1.388 and 1.164, 52.2 and 45.2 s). The 8B 64-GPU rows plan
+after: 8B 64 GPU 1.388 and 1.164, 52.2 and 45.2 s; 70B 1.306 and 1.123, 159.4 and 152.0 s). The
+8B 64-GPU rows plan
 longer: the budget fit solves five times in both versions (at other budgets), and its MIPs take
 longer with flow columns: the neighbourhood MIPs 0.55-0.69 s before, 0.69-3.16 s after, the last
 ones 0.25-1.06 s before, 0.6-2.7 s after (one run of the first row each, debug log).
