@@ -136,6 +136,12 @@ def normalise(ps: Placements, ndim: int) -> Placements | None:
     return tuple(out)
 
 
+def makes_partial(src: Placements, dst: Placements) -> bool:
+    """A move that makes some mesh dim ``Partial``: the lowering's local step at its source,
+    before any ``redistribute``."""
+    return any(type(b) is Partial and a != b for a, b in zip(src, dst, strict=True))
+
+
 def _mixed_partials(ps: Placements) -> bool:
     return len({p.reduce_op for p in ps if type(p) is Partial}) > 1
 
@@ -168,7 +174,7 @@ def reshard_path(src: Placements, dst: Placements, global_shape: tuple[int, ...]
         return (tuple(dst),), IMPOSSIBLE
     shape = tuple(global_shape)
     best = ((tuple(dst),), _dtensor_cost(s, d, shape, itemsize, topology))
-    if s == d or any(type(b) is Partial and a != b for a, b in zip(s, d, strict=True)):
+    if s == d or makes_partial(s, d):
         return best
     tree = hop_tree(s, shape, itemsize, topology)
     start, end = _codes(s), _codes(d)

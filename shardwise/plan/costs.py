@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial, Shard
 
 from shardwise.cost.compute import roofline_time
 from shardwise.cost.hardware import Hardware
-from shardwise.cost.reshard import ReshardCost, move_hops, normalise, reshard_cost
+from shardwise.cost.reshard import ReshardCost, makes_partial, move_hops, normalise, reshard_cost
 from shardwise.cost.topology import MeshTopology
 from shardwise.ir.flops import NodeCost, is_view, node_cost
 from shardwise.plan.placement import Placements
@@ -39,11 +39,6 @@ def work_factor(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
 
 def local_bytes(t: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...]) -> int:
     return t.numel() * t.element_size() // shard_factor(placements, mesh_shape)
-
-
-def _makes_partial(src: Placements, dst: Placements) -> bool:
-    """A move that makes some mesh dim ``Partial`` (the lowering's local step at its source)."""
-    return any(isinstance(b, Partial) and a != b for a, b in zip(src, dst, strict=True))
 
 
 @dataclass(frozen=True)
@@ -184,7 +179,7 @@ class PlannerCosts:
         # leaves from the source's own node, which no other move passes through (a Shard
         # gathered to Replicate on the way cannot be made Partial): the source's flow enters
         # there, and a free arc takes it on to the shared node of its placement.
-        local = {i for i, j in finite if _makes_partial(srcs[i], dsts[j])}
+        local = {i for i, j in finite if makes_partial(srcs[i], dsts[j])}
         dst_node = [at(q) for q in dsts]
         src_node = [node.setdefault(("source", i), len(node)) if i in local else at(p)
                     for i, p in enumerate(srcs)]
@@ -192,7 +187,7 @@ class PlannerCosts:
         for i, j in finite:
             if src_node[i] == dst_node[j]:
                 continue
-            if _makes_partial(srcs[i], dsts[j]):
+            if makes_partial(srcs[i], dsts[j]):
                 ((_, _, t),) = move_hops(srcs[i], dsts[j], shape, itemsize, self.topology)
                 paths[(int(i), int(j))] = [hop(src_node[i], dst_node[j], t)]
                 continue
