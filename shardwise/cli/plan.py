@@ -196,7 +196,8 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     # "ilp": the ILP's solution; a hand plan's name: it was faster by the schedule.
     out["chosen_from"] = plan.info.get("chosen_from", "ilp")
     if "ilp_solution" in plan.info:
-        out["plans"]["ilp"] = {k: plan.info["ilp_solution"].get(k) for k in PLAN_ROW}
+        solution = plan.info["ilp_solution"]
+        out["plans"]["ilp"] = schedule_row(solution, solution["objective_s"])
     # Each hand plan's step time by the measure the auto plan is chosen by (the schedule when
     # training, the node-by-node sum otherwise).
     baselines = {name: row["step_s"] if row is not None else None
@@ -214,14 +215,10 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     return traced, plan, mesh, out
 
 
-# What ``--json`` reports of each plan: its step by the schedule (and by what it is made of),
-# its ILP objective, its memory by the schedule's peak.
-PLAN_ROW = ("step_s", "objective_s", "exposed_comm_s", "comm_s", "compute_s", "recompute_s",
-            "memory_per_device_bytes", "fits", "async_tp", "ac")
-
-
 def plan_row(plan) -> dict:
-    """One plan's figures: the schedule's (training) or the node-by-node sum's (inference)."""
+    """What ``--json`` reports of one plan: its step by the schedule (and by what it is made of),
+    its ILP objective, its memory by the schedule's peak (training); the node-by-node sum's
+    figures (inference)."""
     sched = plan.info.get("schedule")
     if sched is None:  # inference: no schedule; the serial sum is the measure
         est = plan.estimate
@@ -229,8 +226,13 @@ def plan_row(plan) -> dict:
                 "exposed_comm_s": est.comm_s, "comm_s": est.comm_s, "compute_s": est.compute_s,
                 "recompute_s": 0.0, "memory_per_device_bytes": est.memory_bytes, "fits": True,
                 "async_tp": False, "ac": "none"}
+    return schedule_row(sched, plan.info.get("objective_s", plan.estimate.total_s))
+
+
+def schedule_row(sched: dict, objective_s: float) -> dict:
+    """A plan's figures from its schedule (``plan.info["schedule"]``) and its ILP objective."""
     b = sched["breakdown"]
-    return {"step_s": sched["step_s"], "objective_s": plan.info.get("objective_s", plan.estimate.total_s),
+    return {"step_s": sched["step_s"], "objective_s": objective_s,
             "exposed_comm_s": b["exposed_comm_s"], "comm_s": b["comm_s"], "compute_s": b["compute_s"],
             "recompute_s": b["recompute_s"], "memory_per_device_bytes": sched["memory_per_device_bytes"],
             "fits": sched["fits"], "async_tp": sched["options"]["async_tp"], "ac": sched["options"]["ac"]}
@@ -292,6 +294,8 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
     chosen = plan.info.get("chosen_from")
     if chosen not in (None, "ilp"):
         status += f"; the {chosen} hand plan beats the ILP's solution by the schedule and is the plan"
+    elif "ilp_solution" in plan.info:
+        status += "; another plan the ILP's solve found beats its solution by the schedule and is the plan"
     row = out["plans"]["auto"]
     con.print(f"[bold]{traced.model_name}[/] on {mesh} {mesh.hardware}: {status}, "
               f"step {row['step_s'] * 1e3:.2f} ms (compute {row['compute_s'] * 1e3:.2f} ms, "

@@ -156,6 +156,17 @@ class MemoryModel:
         return 1.0 if saved else 0.0
 
 
+@dataclass(frozen=True)
+class IlpPoint:
+    """A plan of the ILP: a strategy index per representative, its activation checkpointing,
+    its objective (seconds) and its memory row (bytes; None without a budget)."""
+
+    choice: dict[fx.Node, int]
+    ac: ACChoice | None
+    objective_s: float
+    memory_bytes: float | None
+
+
 @dataclass
 class IlpResult:
     status: str  # "optimal" | "feasible" | "infeasible" | "unsolved" (time limit, no plan found yet)
@@ -180,6 +191,9 @@ class IlpResult:
     # A lower bound on the optimum (seconds) that holds whatever the memory budget (0 where the
     # solver gave none): no larger budget can give a plan cheaper than it.
     bound_any_budget_s: float = 0.0
+    # Other plans of the model the solve found (``solver.Solved.alternatives``), dearer by the
+    # objective than ``choice`` or as dear, for the planner to price by the step schedule.
+    alternatives: list[IlpPoint] = field(default_factory=list)
 
 
 @dataclass
@@ -467,9 +481,8 @@ def solve_built(model: IlpModel, *, time_limit_s: float = 60.0, start: dict[fx.N
         return IlpResult(got.status, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem,
                          bound_s=_bound_s(got.bound), start_s=start_s, stats=stats, start_index=start_index,
                          bound_any_budget_s=_bound_s(got.bound_any_budget))
-    sol = got.solution
-    mem_at = sum(b * float(sol[v]) for v, b in mem_terms.items()) if mem_terms is not None else None
-    choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in model.xs.items()}
+    main, *others = [_point(model, sol) for sol in (got.solution, *got.alternatives)]
+    choice, mem_at = main.choice, main.memory_bytes
     objective = got.objective * OBJECTIVE_UNIT_S
     bound = min(_bound_s(got.bound), objective)
     any_budget = min(_bound_s(got.bound_any_budget), bound)
@@ -477,9 +490,19 @@ def solve_built(model: IlpModel, *, time_limit_s: float = 60.0, start: dict[fx.N
     gap = 0.0 if got.status == "optimal" or objective <= 0.0 else (objective - bound) / objective
     return IlpResult(got.status, objective, gap, choice, nv, nr, build_s, solve_s, min_mem, bound_s=bound,
                      start_s=start_s, stats=stats,
-                     ac=checkpointing.choice(sol) if checkpointing is not None else None,
-                     memory_bytes=mem_at, start_index=start_index,
-                     bound_any_budget_s=bound if mem_terms is None else any_budget)
+                     ac=main.ac, memory_bytes=mem_at, start_index=start_index,
+                     bound_any_budget_s=bound if mem_terms is None else any_budget,
+                     alternatives=sorted(others, key=lambda p: p.objective_s))
+
+
+def _point(model: IlpModel, sol: np.ndarray) -> IlpPoint:
+    """The plan at the solver's (complete, integral) point ``sol``."""
+    choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in model.xs.items()}
+    memory = (sum(b * float(sol[v]) for v, b in model.mem_terms.items())
+              if model.mem_terms is not None else None)
+    ac = model.checkpointing.choice(sol) if model.checkpointing is not None else None
+    objective = model.schedule.value(sol) if model.schedule is not None else float(np.dot(model.m.cost, sol))
+    return IlpPoint(choice, ac, objective, memory)
 
 
 def _bound_s(dual_bound: float) -> float:

@@ -69,10 +69,11 @@ than its kernels and reduction; with it, 0.996, and the ILP picks a plan 1.4% fa
 schedule.)
 
 Not modelled (the schedule's estimate of the chosen plan is reported beside the objective, and
-the planner chooses by that estimate among the ILP's solution and the hand plans): dependency
-stalls inside a block (but the drain above), a queue carried from one block to the next, one
-stream per mesh dim (one for all here), ``--compile``'s fused kernels and ``--async-tp``'s fused
-collectives (priced eager and exposed), and the collectives recomputation repeats. What they
+the planner chooses by that estimate among the ILP's solution, the other plans its solve found
+and the hand plans): dependency stalls inside a block (but the drain above), a queue carried
+from one block to the next, one stream per mesh dim (one for all here), ``--compile``'s fused
+kernels and ``--async-tp``'s fused collectives (priced eager and exposed), and the collectives
+recomputation repeats. What they
 amount to, block by block (``benchmarks/objective_terms.py --blocks``; llama3-8b, 2 layers,
 8x8, b16 x 8192, fsdp_tp_sp: objective 155.6 ms, schedule 148.3 ms):
 
@@ -512,7 +513,8 @@ class ScheduleObjective:
         objective the maximum form there, 'optimal' only where the bound proves it."""
         if got.solution is None:
             return got
-        got.solution = complete(m, np.where(m.integer, np.round(got.solution), got.solution))
+        got.solution, *got.alternatives = [complete(m, np.where(m.integer, np.round(p), p))
+                                           for p in (got.solution, *got.alternatives)]
         got.objective = self.value(got.solution) / self.unit_s
         got.bound = min(got.bound, got.objective)
         if got.objective - got.bound > MIP_REL_GAP * got.objective:

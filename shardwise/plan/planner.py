@@ -141,6 +141,9 @@ class PreparedPlan:
     timings: dict[str, float]
     prepare_s: float  # seconds ``prepare_plan`` took
     say: Callable[[str], None]
+    # The other plans of the ILP its last solve found (``IlpResult.alternatives``), as plans like
+    # the one ``finish`` returned, for the step schedule to choose among (``_fastest_solution``).
+    alternatives: list[Plan] = field(default_factory=list)
 
     def start_lp(self) -> None:
         """Start the ILP's LP relaxation now, in a background thread: the caller's work until
@@ -226,7 +229,7 @@ def prepare_plan(traced: Traced, mesh: Mesh, *, baseline: str | None = None,
 def _finish(prep: PreparedPlan, start_from: Sequence[Plan]) -> Plan:
     t0 = time.perf_counter() - prep.prepare_s  # the plan's own time: the caller's in between is not
     traced, mesh, baseline, budget = prep.traced, prep.mesh, prep.baseline, prep.budget
-    clus, ns, costs, memory = prep.clus, prep.ns, prep.costs, prep.memory
+    clus, ns = prep.clus, prep.ns
     timings, time_limit_s, checkpointing = prep.timings, prep.time_limit_s, prep.model.checkpointing
     prep.say(f"solving the placement ILP (limit {time_limit_s:g} s)")
     points = _points(traced, ns, clus, start_from, budget)
@@ -255,20 +258,7 @@ def _finish(prep: PreparedPlan, start_from: Sequence[Plan]) -> Plan:
         plan.info = {"memory_budget_bytes": budget, "min_memory_bytes": res.min_memory_bytes,
                      "time_limit_s": time_limit_s, "timings": timings}
         return plan
-    specs = {n: chosen_strategy(ns, clus, res.choice, n) for n in traced.gm.graph.nodes if n.op != "output"}
-    plan = Plan(
-        name=baseline or "auto", model=traced.model_name, mesh_shape=mesh.shape, mesh_names=mesh.names,
-        hardware=mesh.hardware, train=traced.train, fingerprint=graph_fingerprint(traced.gm),
-        nodes={n.name: NodeSpec(s.output, s.inputs) for n, s in specs.items()},
-        status=res.status, mip_gap=res.mip_gap,
-    )
-    plan.params = {p: plan.nodes[ph].output[0] for p, ph in traced.params.items()}
-    plan.outputs = _output_placements(traced, plan, mesh)
-    plan.fallback_ops = sorted({str(n.target) for n, st in ns.items() if st.fallback})
-    plan.ac = res.ac
-    est = estimate(traced, plan, costs, memory).total_s
-    if res.memory_bytes is not None and checkpointing is not None:
-        plan.estimate.memory_bytes = int(res.memory_bytes)  # the saved bytes as the AC chosen holds them
+    plan, est = _plan_at(prep, res.choice, res.ac, res.memory_bytes, res.status, res.mip_gap)
     objective_kind = "serial" if prep.model.schedule is None else "schedule"
     objective = res.objective_s
     if objective_kind == "serial" and res.status != "optimal" and est < objective:
@@ -293,7 +283,36 @@ def _finish(prep: PreparedPlan, start_from: Sequence[Plan]) -> Plan:
         plan.info["ilp"]["checkpointing"] = {**checkpointing.stats, "decided": checkpointing.fixed is None}
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
+    prep.alternatives = []
+    for point in res.alternatives:
+        gap = (point.objective_s - res.bound_s) / point.objective_s if point.objective_s > 0.0 else 0.0
+        other, _ = _plan_at(prep, point.choice, point.ac, point.memory_bytes, "feasible", gap)
+        other.info = {**plan.info, "objective_s": point.objective_s}
+        prep.alternatives.append(other)
     return plan
+
+
+def _plan_at(prep: PreparedPlan, choice: dict[fx.Node, int], ac: ACChoice | None, memory_bytes: float | None,
+             status: str, mip_gap: float) -> tuple[Plan, float]:
+    """The plan of ``prep``'s ILP at ``choice`` (a strategy index per representative) with the
+    activation checkpointing ``ac`` and its memory row at ``memory_bytes``, and its price by the
+    node-by-node estimate (seconds)."""
+    traced, mesh, clus, ns = prep.traced, prep.mesh, prep.clus, prep.ns
+    specs = {n: chosen_strategy(ns, clus, choice, n) for n in traced.gm.graph.nodes if n.op != "output"}
+    plan = Plan(
+        name=prep.baseline or "auto", model=traced.model_name, mesh_shape=mesh.shape, mesh_names=mesh.names,
+        hardware=mesh.hardware, train=traced.train, fingerprint=graph_fingerprint(traced.gm),
+        nodes={n.name: NodeSpec(s.output, s.inputs) for n, s in specs.items()},
+        status=status, mip_gap=mip_gap,
+    )
+    plan.params = {p: plan.nodes[ph].output[0] for p, ph in traced.params.items()}
+    plan.outputs = _output_placements(traced, plan, mesh)
+    plan.fallback_ops = sorted({str(n.target) for n, st in ns.items() if st.fallback})
+    plan.ac = ac
+    est = estimate(traced, plan, prep.costs, prep.memory).total_s
+    if memory_bytes is not None and prep.model.checkpointing is not None:
+        plan.estimate.memory_bytes = int(memory_bytes)  # the saved bytes as the AC chosen holds them
+    return plan, est
 
 
 def _strategies(traced: Traced, mesh: Mesh, spec: BaselineSpec | None, constraints: Constraints | None,
@@ -360,6 +379,8 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
                        else make_plan(traced, mesh, baseline=name, **options))
     starts = [b for b in plans.values() if b is not None and b.status not in NO_PLAN]
     auto = prepared.finish(starts)
+    if traced.train and auto.status not in NO_PLAN:
+        auto = _fastest_solution(auto, prepared.alternatives, price)
     if decide and auto.status not in NO_PLAN:
         say("fitting the activation checkpointing to the step's memory")
         auto = _fit_by_schedule(prepared, auto, limit, starts, price)
@@ -526,8 +547,32 @@ def _fit_by_schedule(prepared: PreparedPlan, auto: Plan, limit: float, starts: l
         again = prepared.finish_again(budget, starts, left if best is not None else time_limit_s)
         if again.status in NO_PLAN:
             break
-        auto = again
+        auto = _fastest_solution(again, prepared.alternatives, price)
     return best[1] if best is not None else auto
+
+
+def _fastest_solution(plan: Plan, others: Sequence[Plan], price: _Pricer) -> Plan:
+    """The fastest by the step schedule of the ILP's solution ``plan`` and the other plans its
+    solve found (``PreparedPlan.alternatives``), one that fits before one that does not; ``plan``
+    on a tie. Those plans are within the solver's gap of one another, or close to it, and the
+    objective's error beside the schedule can be larger (``objective.py``): on llama3-70b over
+    8x8 the rounded LP point and the last MIP's plan cost the same by the objective (1.7824 s),
+    but only the second fits 80 GB by the schedule (72.7 against 77.4 GiB)."""
+    # An alternative must be faster by more than this relative margin (float rounding of the sums).
+    tie = 1e-9
+    first = best_est = price(plan)
+    best = plan
+    for other in others:
+        est = price(other)
+        if (est.fits and not best_est.fits) or (est.fits == best_est.fits
+                                                and est.step_s < best_est.step_s * (1.0 - tie)):
+            best, best_est = other, est
+    if best is not plan:
+        log.info("another plan of the ILP's solve: step %.4f -> %.4f s (objective %.6g -> %.6g s)",
+                 first.step_s, best_est.step_s, _objective_s(plan), _objective_s(best))
+        solution = {"objective_s": _objective_s(plan), **plan.info["schedule"]}
+        best.info = {**best.info, "ilp_solution": solution}
+    return best
 
 
 def _lighter_ac(ac: ACChoice) -> list[ACChoice]:

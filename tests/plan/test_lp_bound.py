@@ -295,3 +295,61 @@ def test_a_loose_gap_gives_the_last_mip_at_most_its_own_time(tiny, monkeypatch):
     exact = _solve(problem, default_budget(mesh))
     assert limits[-1][1] == solver.MIP_REL_GAP and limits[-1][0] > solver.LOOSE_MIP_S
     assert loose.status in ("optimal", "feasible") and exact.status == "optimal"
+
+
+def _worse_rounding(monkeypatch) -> None:
+    """Make ``round_lp`` hand back a dearer point than the LP's rounding: one one-hot group moved
+    to another strategy that keeps the point feasible, and nothing fixed for the neighbourhood."""
+    real_round = solver.round_lp
+
+    def round_lp(m, primal):
+        rounded, _ = real_round(m, primal)
+        cost = np.asarray(m.cost)
+        for cols, total in solver._integer_groups(m):
+            if total != 1 or len(cols) < 2:
+                continue
+            for other in cols[rounded[cols] < 0.5]:
+                point = rounded.copy()
+                point[cols] = 0.0
+                point[other] = 1.0
+                point = solver.complete(m, point)
+                if not solver.violated_rows(m, point) and cost @ point > cost @ rounded * (1 + 1e-3):
+                    return point, np.array(m.ub, dtype=np.float64)
+        raise AssertionError("no dearer feasible rounding")
+
+    monkeypatch.setattr(solver, "round_lp", round_lp)
+
+
+def test_a_rounded_point_within_the_gap_is_still_polished_by_the_neighbourhood(tiny, monkeypatch):
+    """Within even a 100% gap the neighbourhood MIP runs (POLISH_S at most) and its cheaper plan
+    is the solution; the dearer rounded point comes back as an alternative, a point of the model."""
+    problem, mesh = tiny
+    whole = _solve(problem, default_budget(mesh), pricing=False)
+    _worse_rounding(monkeypatch)
+    limits = []
+    real_mip = solver._mip
+
+    def mip(m, unit, time_limit_s, start, upper, rel_gap=solver.MIP_REL_GAP):
+        limits.append(time_limit_s)
+        return real_mip(m, unit, time_limit_s, start, upper, rel_gap)
+
+    monkeypatch.setattr(solver, "_mip", mip)
+    got = _solve(problem, default_budget(mesh), rel_gap=1.0)
+    assert len(limits) == 1 and 0.0 < limits[0] <= solver.POLISH_S  # the neighbourhood, and no more
+    assert got.objective_s == pytest.approx(whole.objective_s, rel=REL)  # here it holds the optimum
+    assert got.alternatives, "the rounded point is no alternative"
+    for point in got.alternatives:
+        assert point.choice != got.choice
+        assert point.objective_s > got.objective_s
+
+
+def test_the_solves_other_points_are_distinct_plans_no_cheaper_than_its_solution(tiny):
+    problem, mesh = tiny
+    model = _built(problem, default_budget(mesh))
+    got = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S, rel_gap=LOOSE_GAP)
+    assert got.alternatives  # here the rounded LP point, dearer than the neighbourhood's plan
+    choices = [got.choice, *(p.choice for p in got.alternatives)]
+    assert all(a != b for i, a in enumerate(choices) for b in choices[i + 1:])
+    for point in got.alternatives:
+        assert point.objective_s >= got.objective_s * (1 - REL)
+        assert point.memory_bytes is not None and point.memory_bytes <= default_budget(mesh)

@@ -5,6 +5,7 @@ the measure the report prints."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,7 @@ from shardwise.plan.plan import ACChoice, ACGroup
 from shardwise.plan.planner import (
     NO_PLAN,
     _fastest_by_schedule,
+    _fastest_solution,
     _lighten_ac,
     _lighter_ac,
     _Pricer,
@@ -118,3 +120,30 @@ def test_checkpointing_the_schedule_finds_only_slower_is_lightened_where_the_lig
     assert _lighten_ac(full, _Pricer(traced, MESH, {}, float(limit))).ac == selective
     # and where nothing lighter fits, the plan stays
     assert _lighten_ac(full, _Pricer(traced, MESH, {}, float(limit - 1))) is full
+
+
+def test_the_fastest_of_the_ilps_plans_by_the_schedule_is_the_solution(tiny, hand):
+    """Among the ILP's solution and the other plans its solve found, the step schedule picks the
+    fastest; the solution stays where none is faster."""
+    plans = {n: replace(b, name="auto") for n, b in hand.items() if b is not None and b.status not in NO_PLAN}
+    steps = {n: price_plan(tiny, b, MESH, {}).step_s for n, b in plans.items()}
+    slowest, fastest = max(steps, key=steps.get), min(steps, key=steps.get)
+    assert steps[fastest] < steps[slowest]
+    price = _Pricer(tiny, MESH, {}, None)
+    assert _fastest_solution(plans[slowest], [p for n, p in plans.items() if n != slowest], price) \
+        is plans[fastest]
+    assert _fastest_solution(plans[fastest], [p for n, p in plans.items() if n != fastest], price) \
+        is plans[fastest]
+
+
+def test_an_ilp_plan_that_fits_beats_a_faster_one_that_does_not(tiny, hand):
+    plans = [replace(b, name="auto") for b in hand.values() if b is not None and b.status not in NO_PLAN][:3]
+    fits = {id(plans[0]): False, id(plans[1]): True, id(plans[2]): True}
+    step = {id(plans[0]): 1.0, id(plans[1]): 3.0, id(plans[2]): 2.0}
+
+    def price(plan):
+        return SimpleNamespace(fits=fits[id(plan)], step_s=step[id(plan)])
+
+    assert _fastest_solution(plans[0], plans[1:], price) is plans[2]
+    fits[id(plans[1])] = fits[id(plans[2])] = False  # none fits: the fastest
+    assert _fastest_solution(plans[1], [plans[0], plans[2]], price) is plans[0]

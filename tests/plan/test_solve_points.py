@@ -160,7 +160,7 @@ def test_the_budget_fit_follows_the_peaks_line_when_the_overhead_grows():
         solved.append(budget)
         return plan_at(budget)
 
-    prepared = SimpleNamespace(time_limit_s=60.0, finish_again=again)
+    prepared = SimpleNamespace(time_limit_s=60.0, finish_again=again, alternatives=[])
     got = planner._fit_by_schedule(prepared, plan_at(80 * gib), limit, [], price)
     assert price(got).fits
     assert price(plan_at(solved[1])).fits  # the second re-solve, on the line
@@ -192,8 +192,36 @@ def test_the_budget_fit_tries_a_larger_budget_only_where_the_row_is_near_it(row_
         solved.append(budget)
         return plan_at(budget, row_gib * gib)
 
-    prepared = SimpleNamespace(time_limit_s=60.0, finish_again=again)
+    prepared = SimpleNamespace(time_limit_s=60.0, finish_again=again, alternatives=[])
     first = plan_at(budget, row_gib * gib)
     got = planner._fit_by_schedule(prepared, first, limit, [], price)
     assert len(solved) == solves and price(got).fits
     assert all(b > budget for b in solved)
+
+
+def test_the_other_plans_a_solve_finds_are_handed_to_the_schedule(monkeypatch):
+    """The plans of the auto ILP's solve besides its solution (here the rounded LP point, dearer
+    than the neighbourhood's plan) reach the step schedule's choice as plans of their own: other
+    placements, priced at their own objective, and the auto plan is no slower than any of them."""
+    from shardwise.ir.trace import trace_model
+    from shardwise.mesh import parse_mesh
+    from shardwise.passes.pipeline import canonicalize
+
+    tr = trace_model("llama-tiny", layers=1, batch=8, seq=32)
+    canonicalize(tr)
+    mesh = parse_mesh("4", None, "h100")
+    seen = []
+    real = planner._fastest_solution
+
+    def fastest(plan, others, price):
+        seen.append((plan, list(others), price))
+        return real(plan, others, price)
+
+    monkeypatch.setattr(planner, "_fastest_solution", fastest)
+    auto, _ = plan_with_baselines(tr, mesh, step_options={"ac": ACPolicy.NONE}, rel_gap=0.5)
+    (plan, others, price), = seen
+    assert others
+    for other in others:
+        assert other.nodes != plan.nodes
+        assert other.info["objective_s"] >= plan.info["objective_s"] * (1 - 1e-9)
+        assert auto.info["schedule"]["step_s"] <= price(other).step_s * (1 + 1e-9)
