@@ -59,7 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-accum", type=int, default=1,
                    help="split each step's --batch into this many micro-batches, their gradients summed "
                         "before the optimizer step (the program is planned for one micro-batch)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (AdamW; default 3e-4 x 4096 / the model's width, 3e-3 at most)")
     p.add_argument("--warmup", type=int, default=2, help="linear warmup steps before the cosine decay")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
@@ -129,11 +130,14 @@ def run(args: argparse.Namespace) -> dict:
     from shardwise.runtime.launch import RunError, _check_backend, check_tolerance, under_torchrun
     from shardwise.train import checkpoint
     from shardwise.train.job import TrainJob
+    from shardwise.train.options import default_lr
 
     mesh = parse_mesh(args.mesh, args.mesh_names, args.hardware)
     _check_backend(args.backend, mesh.size)
     passes = parse_passes(args.passes)
     spec = get_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, dtype=args.dtype)
+    if opts.lr is None:
+        opts.lr = default_lr(spec.width)
     check = _Check(check_tolerance(spec.dtype, args.tolerance), spec.dtype) if args.check else None
     _check_master_dtype(args.master_dtype, spec.dtype)
     if spec.batch % args.grad_accum:

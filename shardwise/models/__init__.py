@@ -29,6 +29,7 @@ class ModelSpec:
     vocab_size: int
     dtype: torch.dtype
     n_layers: int
+    width: int  # the residual stream's size (hidden_size, Llama's dim)
 
     def example_inputs(self, train: bool, seed: int = 0) -> tuple[torch.Tensor, ...]:
         """Token ids (and labels when training); random but reproducible from ``seed``."""
@@ -80,12 +81,12 @@ def get_model(
         dt = dt or torch.float32
         return ModelSpec(
             name=name, build=lambda: build_hf(cfg, dt), batch=batch or 2, seq=seq or 16,
-            vocab_size=cfg.vocab_size, dtype=dt, n_layers=cfg.num_hidden_layers,
+            vocab_size=cfg.vocab_size, dtype=dt, n_layers=cfg.num_hidden_layers, width=cfg.hidden_size,
         )
     if name not in CONFIGS:
         raise UserError(f"unknown model {name!r}; known models: {', '.join(known_models())}.")
     cfg = CONFIGS[name].with_overrides(n_layers=layers, batch=batch, seq=seq, dtype=dt)
     return ModelSpec(
         name=name, build=lambda: Llama(cfg), batch=cfg.batch, seq=cfg.seq,
-        vocab_size=cfg.vocab_size, dtype=cfg.dtype, n_layers=cfg.n_layers,
+        vocab_size=cfg.vocab_size, dtype=cfg.dtype, n_layers=cfg.n_layers, width=cfg.dim,
     )

@@ -8,11 +8,25 @@ from pathlib import Path
 
 from shardwise.errors import UserError
 
+# AdamW's peak learning rate where none is given: torchtitan's Llama 3 8B and 70B configurations
+# train at 3e-4 (width 4096) and 1.5e-4 (8192), REFERENCE_LR x REFERENCE_WIDTH / width; narrow
+# models at MAX_DEFAULT_LR at most (what the tiny models were tuned at). 3e-3 diverges at width
+# 4096: a 2-layer Llama of that width (an hf config with vocab 2048, batch 2 x 64, synthetic
+# data, 8 steps) went 8.25 -> 34.0 by step 4 and stayed near 5, where 3e-4 reached 0.14.
+REFERENCE_LR = 3e-4
+REFERENCE_WIDTH = 4096
+MAX_DEFAULT_LR = 3e-3
+
+
+def default_lr(width: int) -> float:
+    """The peak learning rate ``shardwise train`` uses for a model of this width by default."""
+    return min(MAX_DEFAULT_LR, REFERENCE_LR * REFERENCE_WIDTH / width)
+
 
 @dataclass
 class TrainOptions:
     steps: int = 20  # length of the schedule (and of the run, unless stop_at)
-    lr: float = 3e-3
+    lr: float | None = None  # None: ``default_lr`` of the model's width (set by ``cli/train.py``)
     warmup: int = 2
     weight_decay: float = 0.1
     clip: float = 1.0  # max gradient norm; 0 disables clipping
@@ -34,7 +48,7 @@ class TrainOptions:
         for name in ("warmup", "save_every"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must not be negative.")
-        if self.lr <= 0 or self.clip < 0 or self.weight_decay < 0:
+        if (self.lr is not None and self.lr <= 0) or self.clip < 0 or self.weight_decay < 0:
             raise UserError("--lr must be positive, --clip and --weight-decay not negative.")
         if self.save_every and not self.save_dir:
             raise UserError("--save-every needs --save-dir.")

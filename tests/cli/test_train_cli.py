@@ -162,6 +162,22 @@ def test_a_curve_off_the_reference_by_more_than_the_tolerance_fails_the_command(
     assert mixed["master_dtype"] == "fp32" and mixed["max_rel_diff"] <= 1e-4 < out["max_rel_diff"]
 
 
+@pytest.mark.slow
+def test_the_default_learning_rate_falls_with_the_models_width(tmp_path):
+    """Without --lr the peak learning rate is torchtitan's rule for Llama 3, 3e-4 x 4096 / width
+    (3e-3 diverged at width 4096): 2.4e-3 at width 512; 3e-3 for llama-tiny (width 64), at most."""
+    config = json.loads(HF_TINY["llama"].read_text())
+    wide = tmp_path / "config.json"
+    wide.write_text(json.dumps({**config, "hidden_size": 512, "num_hidden_layers": 1}))
+    base = ["train", "--json", "--mesh", "1", "--steps", "3", "--batch", "2", "--seq", "8"]
+    wider, tiny = map(json_object, cli_all([[*base, "--model", f"hf:{wide}"],
+                                            [*base, "--model", "llama-tiny", "--layers", "1"]]))
+    assert max(wider["lrs"]) == pytest.approx(2.4e-3, rel=1e-12)
+    assert max(tiny["lrs"]) == pytest.approx(3e-3, rel=1e-12)
+    given = train(*base[2:], "--model", "llama-tiny", "--layers", "1", "--lr", "1e-3")
+    assert max(given["lrs"]) == pytest.approx(1e-3, rel=1e-12)
+
+
 def test_master_weights_narrower_than_the_model_are_refused():
     proc = cli("train", "--json", "--model", "llama-tiny", "--mesh", "2", "--master-dtype", "bf16")
     assert proc.returncode == 2 and proc.stdout == ""
