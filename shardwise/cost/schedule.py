@@ -329,7 +329,7 @@ class _Scheduler:
         """Memory-bound kernels as torch.compile fuses them: boundary bytes at local shapes."""
         from shardwise.passes.segment import SegClass, segment
 
-        seg = segment(self.traced.gm)
+        seg = self.traced.analysis("segment", segment)  # the graph's alone: once for all its plans
         order = {n: i for i, n in enumerate(self.traced.gm.graph.nodes)}
         for s in seg.segments:
             if s.cls not in (SegClass.POINTWISE, SegClass.REDUCTION):

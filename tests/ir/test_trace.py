@@ -230,3 +230,23 @@ def test_node_lookup_follows_graph_rewrites():
     with pytest.raises(KeyError):
         tr.node(clone.name)  # an erased node is not found
     assert tr.node(name) is victim
+
+
+def test_an_analysis_is_kept_until_the_graph_changes():
+    """``Traced.analysis`` computes once per graph: again after a node is added, and after one is
+    rewired to read another input."""
+    tr = trace_model("llama-tiny", layers=1, batch=2, seq=8)
+    calls = []
+
+    def count(gm):
+        calls.append(len(gm.graph.nodes))
+        return len(calls)
+
+    assert tr.analysis("count", count) == tr.analysis("count", count) == 1
+    first = next(n for n in tr.gm.graph.nodes if n.op == "call_function")
+    with tr.gm.graph.inserting_after(first):
+        extra = tr.gm.graph.call_function(torch.ops.aten.neg.default, (first,))
+    assert tr.analysis("count", count) == 2 and calls[-1] == calls[0] + 1
+    user = next(iter(first.users.keys() - {extra}))
+    user.replace_input_with(first, extra)
+    assert tr.analysis("count", count) == 3 == tr.analysis("count", count)
