@@ -73,9 +73,9 @@ the planner chooses by that estimate among the ILP's solution, the other plans i
 and the hand plans): dependency stalls inside a block (but the drain above), a queue carried
 from one block to the next, one stream per mesh dim (one for all here), ``--compile``'s fused
 kernels and ``--async-tp``'s fused collectives (priced eager and exposed), and the collectives
-recomputation repeats. What they
-amount to, block by block (``benchmarks/objective_terms.py --blocks``; llama3-8b, 2 layers,
-8x8, b16 x 8192, fsdp_tp_sp: objective 155.6 ms, schedule 148.3 ms):
+recomputation repeats. What they amount to, block by block (``benchmarks/objective_terms.py
+--blocks``; llama3-8b, 2 layers, 8x8, b16 x 8192, fsdp_tp_sp: objective 155.6 ms, schedule
+148.3 ms):
 
 - the schedule starts a block at its first parameter's arrival, the objective once all its
   prefetched gathers have arrived (the head's block: 30.1 ms against 23.3 ms);

@@ -17,6 +17,7 @@ from shardwise.passes.remat import ACPolicy
 from shardwise.plan import BASELINES, make_plan
 from shardwise.plan.plan import ACChoice, ACGroup
 from shardwise.plan.planner import (
+    ALTERNATIVE_GAIN,
     NO_PLAN,
     _fastest_by_schedule,
     _fastest_solution,
@@ -137,13 +138,20 @@ def test_the_fastest_of_the_ilps_plans_by_the_schedule_is_the_solution(tiny, han
 
 
 def test_an_ilp_plan_that_fits_beats_a_faster_one_that_does_not(tiny, hand):
-    plans = [replace(b, name="auto") for b in hand.values() if b is not None and b.status not in NO_PLAN][:3]
+    plans = [replace(b, name="auto", info=dict(b.info))
+             for b in hand.values() if b is not None and b.status not in NO_PLAN][:3]
     fits = {id(plans[0]): False, id(plans[1]): True, id(plans[2]): True}
     step = {id(plans[0]): 1.0, id(plans[1]): 3.0, id(plans[2]): 2.0}
 
-    def price(plan):
-        return SimpleNamespace(fits=fits[id(plan)], step_s=step[id(plan)])
+    def price(plan):  # as _Pricer does, the figures recorded in the plan
+        plan.info["schedule"] = {"step_s": step[id(plan)], "fits": fits[id(plan)]}
+        return SimpleNamespace(**plan.info["schedule"])
 
     assert _fastest_solution(plans[0], plans[1:], price) is plans[2]
     fits[id(plans[1])] = fits[id(plans[2])] = False  # none fits: the fastest
     assert _fastest_solution(plans[1], [plans[0], plans[2]], price) is plans[0]
+    # Faster by less than ALTERNATIVE_GAIN: the ILP's solution stays; by more, it does not.
+    step[id(plans[0])] = step[id(plans[1])] * (1 - ALTERNATIVE_GAIN / 2)
+    assert _fastest_solution(plans[1], [plans[0]], price) is plans[1]
+    step[id(plans[0])] = step[id(plans[1])] * (1 - 2 * ALTERNATIVE_GAIN)
+    assert _fastest_solution(plans[1], [plans[0]], price) is plans[0]

@@ -202,7 +202,8 @@ def test_the_budget_fit_tries_a_larger_budget_only_where_the_row_is_near_it(row_
 def test_the_other_plans_a_solve_finds_are_handed_to_the_schedule(monkeypatch):
     """The plans of the auto ILP's solve besides its solution (here the rounded LP point, dearer
     than the neighbourhood's plan) reach the step schedule's choice as plans of their own: other
-    placements, priced at their own objective, and the auto plan is no slower than any of them."""
+    placements, priced at their own objective, and none faster than the auto plan by more than
+    ALTERNATIVE_GAIN."""
     from shardwise.ir.trace import trace_model
     from shardwise.mesh import parse_mesh
     from shardwise.passes.pipeline import canonicalize
@@ -224,4 +225,4 @@ def test_the_other_plans_a_solve_finds_are_handed_to_the_schedule(monkeypatch):
     for other in others:
         assert other.nodes != plan.nodes
         assert other.info["objective_s"] >= plan.info["objective_s"] * (1 - 1e-9)
-        assert auto.info["schedule"]["step_s"] <= price(other).step_s * (1 + 1e-9)
+        assert price(other).step_s >= auto.info["schedule"]["step_s"] * (1 - planner.ALTERNATIVE_GAIN)
