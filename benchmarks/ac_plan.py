@@ -67,6 +67,15 @@ after: 8B 64 GPU 1.388 and 1.164, 52.2 and 45.2 s; 70B 1.306 and 1.123, 159.4 an
 longer: the budget fit solves five times in both versions (at other budgets), and its MIPs take
 longer with flow columns: the neighbourhood MIPs 0.55-0.69 s before, 0.69-3.16 s after, the last
 ones 0.25-1.06 s before, 0.6-2.7 s after (one run of the first row each, debug log).
+Stop 51 (the other plans of each solve priced by the schedule; a compiled step's segmentation
+computed once per graph, ``Traced.analysis``): every row fits and is >= its hand plan; auto / hand
+1.009, 1.036, 1.400, 1.173, 1.306, 1.123 (8B 64 GPU: 6,300.0 and 6,306.9 tokens/s); planning 15.2,
+4.8, 66.1, 55.6, 49.2, 50.1 s (the 8B rows beside the test suite). The 70B rows priced each plan
+by the compiled schedule in 9-15 s, 12 of them in the budget fit of one row, all but 0.2 s of
+each the segmentation pass (``passes/segment/merge.py``, whose acyclicity checks grow with the
+square of the layers: 0.09 s at 10 layers, 0.50 s at 20); once per graph, a later plan is
+priced in 1.75 s. With the alternatives but not yet the cached segmentation they had planned in
+196.9 and 205.7 s.
 """
 
 from __future__ import annotations

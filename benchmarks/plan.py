@@ -329,6 +329,21 @@ was tried and not kept: its LP took 8.95 s, its bound fell 53,807 -> 50,459 and 
 70% over. Nor a flow per edge of such a group with a free sink at the source, which an edge may
 take where an earlier edge of the group reads the same placement (so the first reader pays):
 57k columns, but the LP took 6.25 s and its bound fell to 52,487.
+
+Stop 51 (the LP's neighbourhood searched, ``solver.POLISH_S`` at most, where the rounded point is
+within the gap already; the other plans a solve finds priced by the schedule beside its solution,
+``planner._fastest_solution``). Stop 50's main and this run back to back, ``--gap 0.01``: 2 layers
+8.64 -> 9.83 s and a faster plan, 54.1 -> 48.1 ms a step (the rounded point, 0.09% over the bound,
+had been taken; the neighbourhood finds the model's optimum, 0.07% cheaper by the objective, in
+about 0.4 s; 12 of 452 nodes are placed otherwise: the attention projections' input gradients
+Partial over tp, reduced once, instead of sequence-sharded with their weights gathered); 32 layers
+10.65 -> 11.98 s, the same plan (355.0 ms; its neighbourhood has nothing cheaper); 70B 48.6 ->
+50.3 s, fsdp_tp as before (1.6803 s), gap 4.65%. (This machine's phases outside the change moved
+by up to 40% between the runs: strategies 0.25 -> 0.42 s on 32 layers.) Tried on the 2-layer LP's
+MPS (ipx, one thread, 38 iterations in 5.9 s), none kept: finite upper bounds on the move and block
+variables (the largest sums their rows can force) 6.8 s, 40 iterations; costs capped at the start
+point's (177 columns; a bound for plans cheaper than the start) 5.4 s, 35 iterations; merging
+edges of the same supply and demand columns (182 of the 183 transport edges are distinct).
 """
 
 from __future__ import annotations

@@ -92,7 +92,12 @@ def merge_keeps_acyclic(producer: Group, consumer: Group, pos: dict[Group, int])
     descendants that lie before the consumer in the order (they must move after the merge)."""
     limit = pos[consumer]
     seen: set[Group] = set()
-    stack = [s for s in producer.succs if s is not consumer and pos[s] < limit]
+    # Successors nearest the consumer first (the stack pops the last pushed): where such a path
+    # exists it is usually found at once; a producer read all over the graph (a table every
+    # layer reads) otherwise has the search wander through every layer before the consumer's
+    # (llama3-70b's 80-layer step: 12 s of segmentation, growing with the square of the layers).
+    # The answer, and on success the descendants found, do not depend on the order.
+    stack = sorted((s for s in producer.succs if s is not consumer and pos[s] < limit), key=pos.__getitem__)
     while stack:
         g = stack.pop()
         if g in seen:
@@ -100,7 +105,7 @@ def merge_keeps_acyclic(producer: Group, consumer: Group, pos: dict[Group, int])
         seen.add(g)
         if consumer in g.succs:
             return False, seen
-        stack.extend(s for s in g.succs if pos[s] < limit)
+        stack.extend(sorted((s for s in g.succs if pos[s] < limit and s not in seen), key=pos.__getitem__))
     return True, seen
 
 
