@@ -73,9 +73,10 @@ computed once per graph, ``Traced.analysis``): every row fits and is >= its hand
 4.8, 66.1, 55.6, 49.2, 50.1 s (the 8B rows beside the test suite). The 70B rows priced each plan
 by the compiled schedule in 9-15 s, 12 of them in the budget fit of one row, all but 0.2 s of
 each the segmentation pass (``passes/segment/merge.py``, whose acyclicity checks grow with the
-square of the layers: 0.09 s at 10 layers, 0.50 s at 20); once per graph, a later plan is
-priced in 1.75 s. With the alternatives but not yet the cached segmentation they had planned in
-196.9 and 205.7 s.
+square of the layers: 0.09 s at 10 layers, 0.50 s at 20, 7.9 s at 80); once per graph, a later
+plan is priced in 1.75 s. With the alternatives but not yet the cached segmentation they had
+planned in 196.9 and 205.7 s. The checks since search the successors nearest the consumer
+first: 80 layers segmented in 5.0 s, the same segments.
 """
 
 from __future__ import annotations
