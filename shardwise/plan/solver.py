@@ -764,9 +764,10 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
 
     The optimum is the whole model's; the bound is the larger of LB and the last MIP's. It stops
     early where the incumbent is within ``rel_gap`` of LB after step 3 (which then runs for
-    POLISH_S at most), or HiGHS of its bound. If
-    the LP does not finish within LP_BOUND_SHARE of the time, the whole MIP gets the rest.
-    ``ahead``: step 1 already started on ``m`` (``start_lp_bound``), with its own time limit."""
+    POLISH_S at most), or HiGHS of its bound. If the LP does not finish within LP_BOUND_SHARE of
+    the time, the whole MIP gets the rest. The rounded point and the neighbourhood's plan, where
+    they are not the solution, are its ``alternatives``. ``ahead``: step 1 already started on
+    ``m`` (``start_lp_bound``), with its own time limit."""
     deadline = time.perf_counter() + time_limit_s
     ub = np.array(m.ub, dtype=np.float64)
     if ahead is None:
@@ -798,7 +799,7 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     polish = _within(incumbent, cost, lp.bound, rel_gap)
     rins = _mip(m, unit, min(RINS_SHARE * left, POLISH_S) if polish else RINS_SHARE * left,
                 None if broken else rounded, rins_ub)
-    # The plans of the model's own this solve finds (not the start: a hand plan's).
+    # The model's own plans this solve finds (not the start, a hand plan's).
     found = [] if broken else [rounded]
     if rins.solution is not None:
         found.append(complete(m, np.where(integer, np.round(rins.solution), rins.solution)))
