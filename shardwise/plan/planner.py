@@ -232,6 +232,7 @@ def _finish(prep: PreparedPlan, start_from: Sequence[Plan]) -> Plan:
     clus, ns = prep.clus, prep.ns
     timings, time_limit_s, checkpointing = prep.timings, prep.time_limit_s, prep.model.checkpointing
     prep.say(f"solving the placement ILP (limit {time_limit_s:g} s)")
+    prep.alternatives = []  # this solve's own, none where it finds no plan
     points = _points(traced, ns, clus, start_from, budget)
     starts = [_Start(choice, _objective_s(p), p.ac, p.name) for p, choice in points]
     if checkpointing is not None and checkpointing.fixed is None:
@@ -283,7 +284,6 @@ def _finish(prep: PreparedPlan, start_from: Sequence[Plan]) -> Plan:
         plan.info["ilp"]["checkpointing"] = {**checkpointing.stats, "decided": checkpointing.fixed is None}
     if plan.fallback_ops:
         log.warning("no sharding strategy for %s: planned replicated", ", ".join(plan.fallback_ops))
-    prep.alternatives = []
     for point in res.alternatives:
         gap = (point.objective_s - res.bound_s) / point.objective_s if point.objective_s > 0.0 else 0.0
         other, _ = _plan_at(prep, point.choice, point.ac, point.memory_bytes, "feasible", gap)
