@@ -481,9 +481,11 @@ def solve_built(model: IlpModel, *, time_limit_s: float = 60.0, start: dict[fx.N
         return IlpResult(got.status, math.inf, math.inf, {}, nv, nr, build_s, solve_s, min_mem,
                          bound_s=_bound_s(got.bound), start_s=start_s, stats=stats, start_index=start_index,
                          bound_any_budget_s=_bound_s(got.bound_any_budget))
-    main, *others = [_point(model, sol) for sol in (got.solution, *got.alternatives)]
-    choice, mem_at = main.choice, main.memory_bytes
     objective = got.objective * OBJECTIVE_UNIT_S
+    main = _point(model, got.solution, objective)
+    choice, mem_at = main.choice, main.memory_bytes
+    # Only the schedule objective's solve finds other points (``solver.solve_by_lp_bound``).
+    others = [_point(model, sol, schedule.value(sol)) for sol in got.alternatives]
     bound = min(_bound_s(got.bound), objective)
     any_budget = min(_bound_s(got.bound_any_budget), bound)
     # The relative gap from the normalised bound (HiGHS says inf while it has no bound).
@@ -495,14 +497,13 @@ def solve_built(model: IlpModel, *, time_limit_s: float = 60.0, start: dict[fx.N
                      alternatives=sorted(others, key=lambda p: p.objective_s))
 
 
-def _point(model: IlpModel, sol: np.ndarray) -> IlpPoint:
-    """The plan at the solver's (complete, integral) point ``sol``."""
+def _point(model: IlpModel, sol: np.ndarray, objective_s: float) -> IlpPoint:
+    """The plan at the solver's (complete, integral) point ``sol``, whose objective is ``objective_s``."""
     choice = {r: int(np.argmax([sol[vs].sum() for vs in x])) for r, x in model.xs.items()}
     memory = (sum(b * float(sol[v]) for v, b in model.mem_terms.items())
               if model.mem_terms is not None else None)
     ac = model.checkpointing.choice(sol) if model.checkpointing is not None else None
-    objective = model.schedule.value(sol) if model.schedule is not None else float(np.dot(model.m.cost, sol))
-    return IlpPoint(choice, ac, objective, memory)
+    return IlpPoint(choice, ac, objective_s, memory)
 
 
 def _bound_s(dual_bound: float) -> float:
