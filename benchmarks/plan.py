@@ -344,6 +344,19 @@ MPS (ipx, one thread, 38 iterations in 5.9 s), none kept: finite upper bounds on
 variables (the largest sums their rows can force) 6.8 s, 40 iterations; costs capped at the start
 point's (177 columns; a bound for plans cheaper than the start) 5.4 s, 35 iterations; merging
 edges of the same supply and demand columns (182 of the 183 transport edges are distinct).
+
+Stop 52 (the edges of a producer that several readers share are flows too, paying each hop once,
+``ilp._charge_moves``; a relaxation of paying each placement once, ``ilp.py``). ``--gap 0.01``, the
+same code in its first form, back to back with main before it on a quiet 2-core machine: 2 layers
+72,144 -> 59,058 columns, 14,491 -> 29,008 rows, the interior-point LP 6.22 -> 4.50 s, the same
+bound (53,807 us) and plan (48.1 ms), the auto plan's own time (``timings.total_s``) 6.68 -> 5.22
+s; 32 layers 9.49 s (11-12 s at stop 51), the same plan (355.0 ms), gap 0.00%; 70B 48.9 s, fsdp_tp
+returned as before (1.6803 s), gap 4.59%: its ILP plan is priced 1.78142 s by this model and
+1.78272 s by the pairs' (the one plan of the three that shares a hop between two readers' moves).
+Tried and not kept: the lowering, the step schedule and the estimate moving each value from its
+copy cheapest to move (so that the hop paid once runs once); it kept a forward copy alive until a
+backward move started from it, which the memory row does not count
+(``tests/plan/test_checkpointing.py``).
 """
 
 from __future__ import annotations

@@ -55,6 +55,9 @@ class MoveNetwork:
     arcs: list[tuple[int, int]]
     seconds: np.ndarray
     paths: dict[tuple[int, int], list[int]]
+    # Each arc's hop, (from, to), the placements (normalised) or ("source", i) for source i's
+    # own node: the same hop in another network of the same value has the same label.
+    labels: list[tuple]
 
     def prices(self, times: np.ndarray) -> bool:
         """Whether the cheapest path between each source and destination over the arcs is the
@@ -196,7 +199,9 @@ class PlannerCosts:
                 hops = move_hops(srcs[i], dsts[j], shape, itemsize, self.topology)
                 path += [hop(at(a), at(b), t) for a, b, t in hops]
             paths[(int(i), int(j))] = path
-        net = MoveNetwork(len(node), src_node, dst_node, list(arc), np.array(seconds), paths)
+        names = {i: k for k, i in node.items()}
+        labels = [(names[a], names[b]) for a, b in arc]
+        net = MoveNetwork(len(node), src_node, dst_node, list(arc), np.array(seconds), paths, labels)
         if not net.prices(times):
             net = None
         self._network_cache[key] = (srcs, dsts, net)

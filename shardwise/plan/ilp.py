@@ -14,15 +14,15 @@ At integral x exactly one y and one z are 1, so the cheapest feasible e is 1 on 
 (p, q) actually used and 0 elsewhere: the LP part is exact, no product variables needed. Pairs
 with infinite cost have no e, so the rows forbid them.
 
-Flow edges (under the schedule objective): an edge whose producer pays for its moves alone (no
-other edge of it reads a placement it moves to, and not a prefetched parameter's, whose moves
-that objective splits) is instead a flow of one unit over the hops its moves take
+Flow edges (under the schedule objective): an edge that is not a prefetched parameter's (whose
+moves that objective splits) is instead a flow of one unit over the hops its moves take
 (``_add_network``). A move is a shortest path of one-mesh-dim redistributes
 (``cost/reshard.reshard_path``) and the moves of one edge share most hops, so an arc per hop
 replaces a column per (p, q): over 8x8, 246 arcs for the 445 moves between the 25 placements of
 a 3-d activation; on llama3-8b, 2 layers, 72k columns instead of 86k and the interior-point LP
 of the schedule objective 7.7 -> 6.2 s. Where the hops would price some move below its time (a
-shortcut through another move's path), the edge keeps its transport rows.
+shortcut through another move's path), the edge keeps its transport rows, and so do the other
+edges of its producer's group (below).
 
 Objective (seconds per step)
   sum_r copies(r) sum_s t_compute(r,s) x[r,s] + sum_G copies(G) sum_q t[G,q]
@@ -33,7 +33,19 @@ uses one pair, so t[G,q] is the cost of moving the value to q when some edge nee
 otherwise. (A variable per (p, q) with a row per edge, g[G,p,q] >= e[k,p,q], is as exact with a
 tighter relaxation, but on llama3-8b over 8x8 it takes 60k rows instead of 16k and its LP is
 ~1.5x slower, for the same optimum.) With one edge, e carries the cost. copies() counts the
-graph nodes a clustered representative stands for.
+graph nodes a clustered representative stands for. A group of flow edges pays each hop once
+instead: t[G,h] >= c(h) f[k,h] for each edge k whose flow f may take hop h (one hop: the
+placement it moves from and the one it moves to). Where the edges move to one placement that is
+t[G,q]; where their moves to two placements share a hop (p -> (R, S(1)) and p -> (R, S(1)) ->
+(R, R)), the model pays that hop once but the lowering runs it for each move, so this part is a
+relaxation of the exact pay-once: its bound holds for the exact model, and a plan may be priced
+below its moves. On llama3-8b over 8x8 (``benchmarks/plan.py``) the plans found are the same and
+priced the same (2 and 32 layers), and 70B's is priced 0.07% below its exact cost (1.78142 s
+against 1.78272 s, its other moves equal). On 2 layers, the 44k transport pairs of such groups
+became 23k arcs: 72k -> 59k columns (but 14k -> 29k rows), the interior-point LP 6.2 -> 4.5 s,
+the same bound (53,807 us). (Running the moves so, each from the copy of the value cheapest to
+move, was tried: it keeps a forward copy alive until a backward move starts from it, which the
+memory row does not count.)
 
 Sinks: a parameter's gradient is an edge into the parameter's own placement (that edge is the
 gradient synchronisation: all_reduce for DDP, reduce_scatter for FSDP); the loss is an edge into
@@ -219,11 +231,12 @@ class _Model(Model):
 @dataclass
 class _Paid:
     """One edge's paid moves: each one's e variable, its destination q (by the interned
-    placement's id), its time in seconds and, for a prefetched parameter under the schedule
+    placement's id; a flow edge's arcs: their hops, ``MoveNetwork.labels``), which a producer's
+    edges pay once, its time in seconds and, for a prefetched parameter under the schedule
     objective, its time's split (``PlannerCosts.move_shares``)."""
 
     cols: list[int]
-    dests: list[int]
+    dests: list[object]
     seconds: list[float]
     shares: list[np.ndarray] | None = None
 
@@ -394,17 +407,21 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         groups[(clus.rep[u], tuple(paid), schedule is not None and schedule.kept(u))] += 1
     parts = [(part, n, kept) for (_, keys, kept), n in groups.items()
              for part in ([list(keys)] if schedule is None else schedule.split(list(keys), kept))]
-    # An edge whose producer pays for its moves alone is a flow over the moves' hops; one that
-    # shares them (a placement moved to once for several readers) keeps its transport pairs.
-    # Under the schedule objective only, whose LP is solved by interior point: HiGHS's MIP of
-    # the serial model was slower with flows (llama-tiny, 2 layers over 2 devices, a tight
-    # budget: 11.4 -> 16.3 s).
-    shared = {k for part, _, _ in parts if len(part) > 1 for k in part}
+    # An edge is a flow over its moves' hops, and a producer whose edges share moves pays each
+    # hop once (``_charge_moves``), unless one of its shared edges has no exact network
+    # (``PlannerCosts.move_network``) or is a parameter's (transport pairs, paid per
+    # destination): then all of them keep transport pairs. Under the schedule objective only,
+    # whose LP is solved by interior point: HiGHS's MIP of the serial model was slower with
+    # flows (llama-tiny, 2 layers over 2 devices, a tight budget: 11.4 -> 16.3 s).
+    nets = ({k: costs.move_network(list(supply), list(demand), val)
+             for k, (supply, demand, val) in pending.items()} if schedule is not None else {})
+    for part, _, _ in parts:
+        if len(part) > 1 and not all(nets.get(k) is not None for k in part):
+            nets.update(dict.fromkeys((k for k in part if k in pending), None))
     for k, (supply, demand, val) in pending.items():
-        srcs, dsts = list(supply), list(demand)
-        net = None if k in shared or schedule is None else costs.move_network(srcs, dsts, val)
+        net = nets.get(k)
         moves[k] = (_add_network(m, supply, demand, net) if net is not None
-                    else _add_edge(m, supply, demand, costs.move_times(srcs, dsts, val)))
+                    else _add_edge(m, supply, demand, costs.move_times(list(supply), list(demand), val)))
     for part, n, kept in parts:
         _charge_moves(m, [moves[k] for k in part], n, part, kept)
 
@@ -564,7 +581,7 @@ def _add_network(m: _Model, supply: dict[Placements, list[int]], demand: dict[Pl
     there. At integral x one unit flows from the producer's placement to the consumer's, and
     the cheapest flow is that move's path, so the LP part is exact as the transport rows are,
     with an arc per hop instead of a column per (p, q) pair. Returns the arcs that cost time as
-    the paid moves (their destinations unused: a flow edge pays for its moves alone)."""
+    the paid moves, each destined for its hop."""
     srcs, dsts = list(supply), list(demand)
     first = m.vars(len(net.arcs))
     rows: list[dict[int, float]] = [{} for _ in range(net.nodes)]
@@ -582,7 +599,7 @@ def _add_network(m: _Model, supply: dict[Placements, list[int]], demand: dict[Pl
                         [([first + k for k in path], supply[srcs[i]], demand[dsts[j]])
                          for (i, j), path in net.paths.items()]))
     paid = np.flatnonzero(net.seconds > 0.0)
-    return _Paid((first + paid).tolist(), [0] * len(paid), net.seconds[paid].tolist())
+    return _Paid((first + paid).tolist(), [net.labels[k] for k in paid.tolist()], net.seconds[paid].tolist())
 
 
 def _join_parameter_views(traced: Traced, out_keys: dict[fx.Node, list[tuple[fx.Node, fx.Node, int]]],

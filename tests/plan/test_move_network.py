@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardwise.cost.hardware import get_hardware
+from shardwise.cost.reshard import move_hops
 from shardwise.cost.step import torchtitan_options
 from shardwise.plan import ilp, solver
 from shardwise.plan.costs import PlannerCosts
@@ -128,3 +129,42 @@ def test_only_the_arcs_of_moves_still_open_stay_in_the_mip():
             ub[demand[p]] = 0.0
     solver.restrict_flows(m, ub)
     assert set(np.flatnonzero(ub[flow.arcs]).tolist()) == set(path) and len(path) > 1
+
+
+def test_a_producers_flow_edges_pay_a_hop_they_share_once():
+    """Two readers of one value, one in (R, S(2)) and one in (R, R): the flow edges of their
+    group pay the hop to (R, S(2)), which both moves take, once (``ilp._charge_moves`` by hop);
+    transport pairs pay both whole moves. The flow model is a relaxation of the pairs'
+    (``ilp.py``): never dearer, and the same where the readers' moves share no hop."""
+    costs = PlannerCosts((8, 8), get_hardware("h100"))
+    val = torch.empty((16, 8192, 4096), dtype=torch.bfloat16, device="meta")
+    ps = _placements(3, 2)
+    src, first, second = intern((Shard(0), Shard(2))), intern((R, Shard(2))), intern((R, R))
+    hops = move_hops(src, second, tuple(val.shape), val.element_size(), costs.topology)
+    assert [b for _, b, _ in hops] == [first, second]  # the move to (R, R) passes (R, S(2))
+
+    def cost_at(flows: bool, dests: tuple) -> float:
+        m = ilp._Model()
+        supply = {p: [m.var(0.0)] for p in ps}
+        demands, paid = [], []
+        for _ in dests:
+            demand = {p: [m.var(0.0)] for p in ps}
+            net = costs.move_network(ps, ps, val) if flows else None
+            paid.append(ilp._add_network(m, supply, demand, net) if net is not None
+                        else ilp._add_edge(m, supply, demand, costs.move_times(ps, ps, val)))
+            demands.append(demand)
+        ilp._charge_moves(m, paid, 1, list(range(len(dests))))
+        x = np.zeros(len(m.cost))
+        x[supply[src]] = 1.0
+        for demand, q in zip(demands, dests, strict=True):
+            x[demand[q]] = 1.0
+        return float(np.dot(m.cost, solver.complete(m, x)))
+
+    def move(a, b):
+        return costs.reshard(a, b, val).time_s
+
+    assert cost_at(False, (first, second)) == pytest.approx(move(src, first) + move(src, second), rel=1e-9)
+    assert cost_at(True, (first, second)) == pytest.approx(move(src, first) + move(first, second), rel=1e-9)
+    assert cost_at(True, (first, second)) < cost_at(False, (first, second))
+    apart = (intern((Shard(0), R)), intern((Shard(2), Shard(0))))
+    assert cost_at(True, apart) == pytest.approx(cost_at(False, apart), rel=1e-9)
