@@ -48,6 +48,7 @@ import functools
 import heapq
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -265,6 +266,30 @@ def reshard_cost(src: Placements, dst: Placements, global_shape: tuple[int, ...]
     """Time and collectives of redistributing a tensor from ``src`` to ``dst`` placements, by the
     cheapest path (``reshard_path``)."""
     return reshard_path(src, dst, global_shape, itemsize, topology)[1]
+
+
+def leaves_copies(dst: Placements) -> bool:
+    """Whether a move to ``dst`` leaves copies a later move of the value may start from
+    (``start_of_move``): not one to a placement with a ``Partial`` dim, which the lowering makes
+    locally from the value as made."""
+    return not any(isinstance(p, Partial) for p in dst)
+
+
+def start_of_move(src: Placements, copies: Iterable[Placements], dst: Placements,
+                  global_shape: tuple[int, ...], itemsize: int, topology: MeshTopology) -> Placements:
+    """Where a move of a value to ``dst`` starts: of ``src`` (the value as made) and ``copies``
+    (the placements earlier moves of it reached or passed through), the one cheapest to move
+    from (``reshard_path``), ``src`` on a tie. The lowering, the step schedule and the
+    node-by-node estimate all move so; the planner's ILP pays a hop once for all of a value's
+    readers. Into a placement with a ``Partial`` dim, ``src`` (``leaves_copies``)."""
+    if not leaves_copies(dst):
+        return src
+    best, cost = src, reshard_path(src, dst, global_shape, itemsize, topology)[1].time_s
+    for p in copies:
+        c = reshard_path(p, dst, global_shape, itemsize, topology)[1].time_s
+        if c < cost:
+            best, cost = p, c
+    return best
 
 
 @functools.lru_cache(maxsize=1 << 20)

@@ -94,6 +94,7 @@ from shardwise.cost.memory import (
     reserved_peak,
 )
 from shardwise.cost.overlap import overlapped_time
+from shardwise.cost.reshard import leaves_copies, start_of_move
 from shardwise.cost.topology import MeshTopology
 from shardwise.errors import UserError
 from shardwise.ir.flops import is_view
@@ -316,6 +317,12 @@ class _Scheduler:
         self.born: dict[tuple, int] = {}
         self.first_read: dict[tuple, int] = {}   # moved key -> first item reading it
         self.move_stream: dict[tuple, str] = {}  # moved key -> stream of its (first) collective
+        # Placements an activation's move passed through, as a moved key with the phase it was read
+        # in -> (when, item index, stream of the hop's collective): a later move of that phase may
+        # start there (``_nearest_copy``).
+        self.passed: dict[tuple, tuple[float, int, str | None]] = {}
+        # (activation, recomputed, phase read in) -> its copies' moved keys by placement
+        self.copies: dict[tuple, dict[Placements, tuple]] = defaultdict(dict)
         self.handed_off: set[fx.Node] = set()     # gradients that are their stored gradient
         self.reduced: list[tuple[fx.Node, fx.Node, int, str]] = []  # (grad, param, region, stream)
         self.extra: list[Lifetime] = []            # buffers no graph value stands for
@@ -498,12 +505,22 @@ class _Scheduler:
         if src == dst or u.op == "placeholder" and not isinstance(u.meta.get("val"), torch.Tensor):
             self.last_read[inst] = i
             return self.ready.get(inst, 0.0)
+        copies = self._copies(u, item)
+        if key not in self.moved and copies is not None and copies.get(dst) in self.passed:
+            # a move of this phase passed through dst: that copy is the one read there
+            self.moved[key], self.born[key] = self._keep(copies[dst], i, into=key)
+            copies[dst] = key
         if key in self.moved:
             self.last_read[key] = i
             self.first_read[key] = min(self.first_read.get(key, i), i)
             return self.moved[key]
+        copy = self._nearest_copy(u, src, dst, copies, i)
+        if copy is not None:  # the move starts from a copy an earlier move made
+            src, copy_key = copy
+            produced = max(self.moved[copy_key], gate)
+        else:
+            produced = max(self.ready.get(inst, 0.0), gate)
         steps = self._collective_steps(u, src, dst)
-        produced = max(self.ready.get(inst, 0.0), gate)
         stream = stream_name(self.names, steps[0][1]) if steps else None
         gather_hold = (self._async_tp_wait(steps, CollectiveKind.ALL_GATHER, self._matmul_readers_s(u, item))
                        if matmul_reader else None)
@@ -522,16 +539,71 @@ class _Scheduler:
             arrive = max(produced + scatter_hold, self.stream_free[stream] + comm)
             self._run_steps(u.name, steps, arrive - comm, item)
         else:
-            arrive = self._run_steps(u.name, steps, produced, item)
+            arrive = self._run_path(u, src, dst, produced, item, i, copies)
         self.moved[key] = arrive
+        if copies is not None and leaves_copies(dst):
+            copies.setdefault(dst, key)
         self.first_read[key] = i
         if stream is not None:
             self.move_stream[key] = stream
         self.issue_index[key] = i
         self.born[key] = i if issued_at is None else min(i, issued_at)
         self.last_read[key] = i
-        self.last_read[inst] = max(self.last_read.get(inst, i), i)
+        if copy is None:
+            self.last_read[inst] = max(self.last_read.get(inst, i), i)
         return arrive
+
+    def _copies(self, u: fx.Node, item: _Item) -> dict[Placements, tuple] | None:
+        """The copies of activation ``u`` (its moved keys by placement) that moves of it read in
+        ``item``'s phase made or passed through; None for a value that is not an activation.
+        Per phase, as the lowering keeps them (a forward copy a backward move started from would
+        live until the backward)."""
+        if u.op != "call_function":
+            return None
+        return self.copies[(u, self._instance(u, item)[1], item.phase)]
+
+    def _keep(self, k: tuple, i: int, into: tuple | None = None) -> tuple[float, int]:
+        """A placement a move passed through (``passed`` key ``k``) becomes a kept copy, read by
+        item ``i``, under the moved key ``into`` (default ``k``); when it arrived and its item."""
+        into = into or k
+        self.moved[into], self.born[into], stream = self.passed.pop(k)
+        self.first_read[into] = i
+        if stream is not None:
+            self.move_stream[into] = stream
+        return self.moved[into], self.born[into]
+
+    def _nearest_copy(self, u: fx.Node, src: Placements, dst: Placements,
+                      copies: dict[Placements, tuple] | None, i: int) -> tuple[Placements, tuple] | None:
+        """The copy of activation ``u`` a move to ``dst`` starts from (``reshard.start_of_move``)
+        where it is not ``u`` as made: its placement and moved key. That copy now lives until
+        item ``i`` reads it."""
+        if not copies:
+            return None
+        val = u.meta["val"]
+        start = start_of_move(src, copies, dst, tuple(val.shape), val.element_size(), self.costs.topology)
+        if start == src:
+            return None
+        k = copies[start]
+        if k in self.passed:
+            self._keep(k, i)
+        self.last_read[k] = i
+        return start, k
+
+    def _run_path(self, u: fx.Node, src: Placements, dst: Placements, ready: float, item: _Item,
+                  i: int, copies: dict[Placements, tuple] | None) -> float:
+        """Run a move of ``u`` hop by hop (``_run_steps``), noting in ``copies`` each placement it
+        passes through, for later moves (``_nearest_copy``); when it ends."""
+        hops = self.costs.reshard_hops(src, dst, u.meta["val"])
+        t = ready
+        for a, b in zip((src, *hops[:-1]), hops, strict=True):
+            steps = self._collective_steps(u, a, b)
+            t = self._run_steps(u.name, steps, t, item)
+            if b is not hops[-1] and copies is not None and b not in copies:
+                # keyed by phase: a move of the other phase does not start from it
+                k = (*self._move_key(u, b, item)[:3], item.phase)
+                self.passed[k] = (t, i, stream_name(self.names, steps[0][1]) if steps else None)
+                copies[b] = k
+        return t
 
     def _issue_gathers(self, reads: list[tuple[fx.Node, Placements, _Item, int]], gate: float,
                        issued_at: int) -> None:

@@ -44,6 +44,7 @@ import functools
 import logging
 import math
 import operator
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from unittest import mock
@@ -60,10 +61,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shardwise.cost.reshard import reshard_path
+from shardwise.cost.reshard import reshard_path, start_of_move
 from shardwise.cost.topology import MeshTopology
 from shardwise.errors import UserError
-from shardwise.ir.trace import Traced
+from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh, destroy_world
 from shardwise.plan.placement import Placements, placements_str
 from shardwise.plan.plan import CollectiveCount, Plan, graph_fingerprint, tensor_args
@@ -298,10 +299,12 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 class _Lowerer(fx.Interpreter):
     """Interprets the canonical graph on DTensors, placing every value as the plan says."""
 
-    def __init__(self, gm: fx.GraphModule, plan: Plan, mesh: DeviceMesh, device: torch.device) -> None:
+    def __init__(self, gm: fx.GraphModule, plan: Plan, mesh: DeviceMesh, device: torch.device,
+                 phases: dict[str, Phase]) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.plan = plan
         self.mesh = mesh
+        self.phases = phases  # node -> phase (``Traced.phases``; forward where absent)
         self.topology = MeshTopology.from_mesh(plan.mesh)
         self.device = device
         self.rules = _planner_rules()
@@ -312,6 +315,9 @@ class _Lowerer(fx.Interpreter):
         # A value moved to a placement once serves every consumer that reads it there (the
         # planner prices each (value, placement) move once).
         self.moved: dict[tuple[str, Placements], object] = {}
+        # An activation's copies by placement, per phase of their readers: what its moves there
+        # reached or passed through (``_redistribute``).
+        self.copies: dict[tuple[str, Phase], dict[Placements, DTensor]] = defaultdict(dict)
 
     # -- placement helpers ------------------------------------------------------------------
 
@@ -321,7 +327,7 @@ class _Lowerer(fx.Interpreter):
             return v
         return DTensor.from_local(v, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
 
-    def _place(self, v: object, want: Placements | None) -> object:
+    def _place(self, v: object, want: Placements | None, copies: tuple[str, Phase] | None = None) -> object:
         if not isinstance(v, torch.Tensor):
             return v
         v = self._as_dtensor(v)
@@ -329,16 +335,25 @@ class _Lowerer(fx.Interpreter):
             return v
         v = self._to_partial(v, tuple(want))
         if tuple(v.placements) != tuple(want):
-            v = self._redistribute(v, tuple(want))
+            v = self._redistribute(v, tuple(want), copies)
         return v
 
-    def _redistribute(self, v: DTensor, want: Placements) -> DTensor:
+    def _redistribute(self, v: DTensor, want: Placements,
+                      copies: tuple[str, Phase] | None = None) -> DTensor:
         """``v`` redistributed to ``want`` through the placements the planner priced the move by
-        (``cost/reshard.reshard_path``: one mesh dim at a time where that is cheaper)."""
-        hops, _ = reshard_path(tuple(v.placements), want, tuple(v.shape), v.element_size(), self.topology)
+        (``cost/reshard.reshard_path``: one mesh dim at a time where that is cheaper). Given
+        ``copies`` (the activation ``v`` is and its reader's phase), from its copy cheapest to
+        move there (``cost/reshard.start_of_move``), keeping the placements the move passes."""
+        shape, itemsize = tuple(v.shape), v.element_size()
+        kept = self.copies[copies] if copies is not None else {}
+        start = start_of_move(tuple(v.placements), kept, want, shape, itemsize, self.topology)
+        v = kept.get(start, v)
+        hops, _ = reshard_path(start, want, shape, itemsize, self.topology)
         with _quiet(REDISTRIBUTE_LOG):
             for hop in hops:
                 v = v.redistribute(self.mesh, hop)
+                if copies is not None:
+                    kept.setdefault(tuple(hop), v)
         return v
 
     def _to_partial(self, v: DTensor, want: Placements) -> DTensor:
@@ -374,13 +389,16 @@ class _Lowerer(fx.Interpreter):
             d = self._redistribute(d, tuple(want))
         return d
 
-    def _place_once(self, name: str, v: object, want: Placements | None) -> object:
-        """``_place``, reusing the result when node ``name`` was already moved to ``want``."""
+    def _place_once(self, name: str, v: object, want: Placements | None,
+                    phase: Phase | None = None) -> object:
+        """``_place``, reusing the result when node ``name`` was already moved to ``want``. An
+        activation read in ``phase`` moves from a copy earlier moves of it made in that phase
+        (``_redistribute``; not across phases: the copy would live until the backward)."""
         if want is None:
             return self._place(v, want)
         key = (name, tuple(want))
         if key not in self.moved:
-            self.moved[key] = self._place(v, want)
+            self.moved[key] = self._place(v, want, (name, phase) if phase is not None else None)
         return self.moved[key]
 
     def place_output(self, v: torch.Tensor, sink: Placements | None, name: str | None = None) -> DTensor:
@@ -422,7 +440,8 @@ class _Lowerer(fx.Interpreter):
             if isinstance(a, fx.Node):
                 v = self.env[a]
                 if isinstance(a.meta.get("val"), torch.Tensor):
-                    v = self._place_once(a.name, v, want_in[k] if k < len(want_in) else None)
+                    phase = self.phases.get(n.name, Phase.FORWARD) if a.op == "call_function" else None
+                    v = self._place_once(a.name, v, want_in[k] if k < len(want_in) else None, phase)
                     k += 1
                 vals.append(v)
             else:
@@ -596,7 +615,7 @@ def lower_on(traced: Traced, plan: Plan, device_mesh: DeviceMesh, *, rank: int,
     device = torch.device(device)
     mesh_shape = tuple(plan.mesh_shape)
     layouts = _placeholder_layouts(traced, plan)
-    lowerer = _Lowerer(traced.gm, plan, device_mesh, device)
+    lowerer = _Lowerer(traced.gm, plan, device_mesh, device, traced.phases)
     out_node = next(n for n in reversed(traced.gm.graph.nodes) if n.op == "output")
     out_nodes = list(out_node.args[0])
     sinks = output_sinks(traced, plan)

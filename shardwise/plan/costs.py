@@ -18,7 +18,14 @@ from torch.distributed.tensor import Partial, Shard
 
 from shardwise.cost.compute import roofline_time
 from shardwise.cost.hardware import Hardware
-from shardwise.cost.reshard import ReshardCost, makes_partial, move_hops, normalise, reshard_cost
+from shardwise.cost.reshard import (
+    ReshardCost,
+    makes_partial,
+    move_hops,
+    normalise,
+    reshard_cost,
+    reshard_path,
+)
 from shardwise.cost.topology import MeshTopology
 from shardwise.ir.flops import NodeCost, is_view, node_cost
 from shardwise.plan.placement import Placements
@@ -206,6 +213,10 @@ class PlannerCosts:
             net = None
         self._network_cache[key] = (srcs, dsts, net)
         return net
+
+    def reshard_hops(self, src: Placements, dst: Placements, val: torch.Tensor) -> tuple[Placements, ...]:
+        """The placements a move passes through (``cost/reshard.reshard_path``), ``dst`` last."""
+        return reshard_path(tuple(src), tuple(dst), tuple(val.shape), val.element_size(), self.topology)[0]
 
     def reshard(self, src: Placements, dst: Placements, val: torch.Tensor) -> ReshardCost:
         """Redistribution cost; keyed on object identity (strategies hold interned placements,

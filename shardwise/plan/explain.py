@@ -4,11 +4,13 @@
 every strategy it could have run, everything else held as planned:
 
 - compute: the node's roofline time on the strategy's local shapes;
-- communication: moving each input from its producer's planned placement to what the strategy
-  reads, and moving the output to what each consumer reads (for a parameter, also its
-  gradient's synchronisation into the parameter's placement), each value moved to a placement
-  once, as the ILP and the lowering do: an input move the plan already makes for another reader
-  costs nothing more, and consumers reading the output in one placement share one move;
+- communication: for the chosen strategy, moving each input from its producer's planned
+  placement to what the strategy reads, and moving the output to what each consumer reads (for
+  a parameter, also its gradient's synchronisation into the parameter's placement), each value
+  moved to a placement once, as the ILP and the lowering do: an input move the plan already
+  makes for another reader costs nothing more, and consumers reading the output in one placement
+  share one move; for any other, that plus what the plan's moves change by with the node so
+  (``planner.plan_moves``, which also moves a value from the copy of it cheapest to move);
 - memory: for a parameter, its local bytes with gradient and optimizer state (training); for an
   activation the backward reads, its local bytes.
 
@@ -21,7 +23,7 @@ between an alternative's ``time_s`` and the chosen one's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
@@ -33,8 +35,8 @@ from shardwise.mesh import Mesh
 from shardwise.plan.costs import PlannerCosts, local_bytes
 from shardwise.plan.ilp import MemoryModel
 from shardwise.plan.placement import Placements, placements_str
-from shardwise.plan.plan import Plan, tensor_args
-from shardwise.plan.planner import destination, edges, read_in
+from shardwise.plan.plan import NodeSpec, Plan, tensor_args
+from shardwise.plan.planner import destination, edges, plan_moves
 from shardwise.plan.strategies import Strategy, enumerate_strategies
 
 
@@ -79,19 +81,21 @@ def explain(traced: Traced, plan: Plan, name: str, *, memory: MemoryModel | None
     inputs = {u for u, _, _ in touching if u is not node}
     # Moves of the node's inputs the plan makes for other readers anyway.
     paid = {(u, destination(plan, v, j)) for u, v, j in edges(traced) if u in inputs and v is not node}
+    moves: dict[tuple[fx.Node, Placements], Placements] = {}  # (value, to) -> from, as chosen
+    for u, v, j in touching:
+        src, dst = plan.nodes[u.name].output[0], destination(plan, v, j)
+        if src != dst and (u, dst) not in paid:
+            moves[(u, dst)] = src
+    own = sum(costs.reshard(src, dst, u.meta["val"]).time_s for (u, dst), src in moves.items())
+    step, _ = plan_moves(traced, plan, costs)
     alts = []
     for s in _strategies(node, mesh):
         out = s.output[0]
-        moves: dict[tuple[fx.Node, Placements], Placements] = {}  # (value, to) -> from
-        for u, v, j in touching:
-            src = out if u is node else plan.nodes[u.name].output[0]
-            dst = destination(plan, v, j) if v is not node else read_in(out, s.inputs, j, mesh.ndim)
-            if src != dst and (u, dst) not in paid:
-                moves[(u, dst)] = src
-        comm = sum(costs.reshard(src, dst, u.meta["val"]).time_s for (u, dst), src in moves.items())
+        is_chosen = s.output == chosen.output and s.inputs == chosen.inputs
+        other = replace(plan, nodes={**plan.nodes, node.name: NodeSpec((out,), s.inputs)})
+        comm = own if is_chosen else own + plan_moves(traced, other, costs)[0] - step
         alts.append(Alternative(out, s.inputs, costs.compute_time(node, s), comm,
-                                int(local_bytes(node.meta["val"], out, mesh.shape) * per_byte),
-                                s.output == chosen.output and s.inputs == chosen.inputs))
+                                int(local_bytes(node.meta["val"], out, mesh.shape) * per_byte), is_chosen))
     alts.sort(key=lambda a: (a.time_s, not a.chosen))
     return Explanation(name, node.name, alts)
 

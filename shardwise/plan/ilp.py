@@ -37,15 +37,15 @@ graph nodes a clustered representative stands for. A group of flow edges pays ea
 instead: t[G,h] >= c(h) f[k,h] for each edge k whose flow f may take hop h (one hop: the
 placement it moves from and the one it moves to). Where the edges move to one placement that is
 t[G,q]; where their moves to two placements share a hop (p -> (R, S(1)) and p -> (R, S(1)) ->
-(R, R)), the model pays that hop once but the lowering runs it for each move, so this part is a
-relaxation of the exact pay-once: its bound holds for the exact model, and a plan may be priced
-below its moves. On llama3-8b over 8x8 (``benchmarks/plan.py``) the plans found are the same and
-priced the same (2 and 32 layers), and 70B's is priced 0.07% below its exact cost (1.78142 s
-against 1.78272 s, its other moves equal). On 2 layers, the 44k transport pairs of such groups
-became 23k arcs: 72k -> 59k columns (but 14k -> 29k rows), the interior-point LP 6.2 -> 4.5 s,
-the same bound (53,807 us). (Running the moves so, each from the copy of the value cheapest to
-move, was tried: it keeps a forward copy alive until a backward move starts from it, which the
-memory row does not count.)
+(R, R)), the hop is paid once, and so it runs: the lowering, the step schedule and the estimate
+move an activation from its copy cheapest to move, the value as made or a placement an earlier
+move reached or passed through (``cost/reshard.start_of_move``). Two cases stay a relaxation
+(its bound holds for the pairs' exact pay-once, and a plan may be priced below its moves): the
+readers' moves of two phases (the lowering keeps a forward copy for a backward move only where
+a backward reader reads that placement, as the memory row counts), and flows that leave a
+move's own path to share hops with another. On llama3-8b, 2 layers over 8x8, the 44k transport
+pairs of such groups became 23k arcs: 72k -> 59k columns (but 14k -> 29k rows), the
+interior-point LP 6.2 -> 4.5 s, the same bound (53,807 us) and plan.
 
 Sinks: a parameter's gradient is an edge into the parameter's own placement (that edge is the
 gradient synchronisation: all_reduce for DDP, reduce_scatter for FSDP); the loss is an edge into

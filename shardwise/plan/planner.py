@@ -21,9 +21,10 @@ from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardwise.cost.hardware import get_hardware
+from shardwise.cost.reshard import leaves_copies, start_of_move
 from shardwise.cost.units import format_bytes
 from shardwise.errors import UserError
-from shardwise.ir.trace import Traced
+from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh
 from shardwise.passes.remat import ACPolicy
 from shardwise.plan.baselines import (
@@ -923,21 +924,11 @@ def estimate(traced: Traced, plan: Plan, costs: PlannerCosts | None = None,
     memory = memory or MemoryModel()
     mesh_shape = tuple(plan.mesh_shape)
     est = Estimate()
-    colls: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
     for n in traced.gm.graph.nodes:
         spec = plan.nodes.get(n.name)
         if spec is not None and n.op == "call_function":
             est.compute_s += costs.compute_time(n, Strategy(spec.output, spec.inputs))
-    moved: set[tuple[str, Placements]] = set()  # a value moves to a placement once
-    for u, v, j in edges(traced):
-        src, dst = plan.nodes[u.name].output[0], destination(plan, v, j)
-        if src == dst or (u.name, dst) in moved:
-            continue
-        moved.add((u.name, dst))
-        rc = costs.reshard(src, dst, u.meta["val"])
-        est.comm_s += rc.time_s
-        for c in rc.collectives:
-            colls[c.kind.value] += CollectiveCount(1, c.bytes)
+    est.comm_s, colls = plan_moves(traced, plan, costs)
     mem = 0.0
     for n in traced.gm.graph.nodes:
         spec = plan.nodes.get(n.name)
@@ -946,5 +937,31 @@ def estimate(traced: Traced, plan: Plan, costs: PlannerCosts | None = None,
             mem += local_bytes(n.meta["val"], spec.output[0], mesh_shape) * per_byte
     est.memory_bytes = int(mem)
     plan.estimate = est
-    plan.collectives = dict(colls)
+    plan.collectives = colls
     return est
+
+
+def plan_moves(traced: Traced, plan: Plan, costs: PlannerCosts) -> tuple[float, dict[str, CollectiveCount]]:
+    """The seconds and collectives of every move ``plan`` makes, as the lowering makes them: a
+    value moved to a placement once for all its readers there, and an activation's move for a
+    reader of one phase from its copy cheapest to move (``reshard.start_of_move``): the value as
+    made or a placement an earlier move of that phase reached or passed through."""
+    comm_s = 0.0
+    colls: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
+    moved: set[tuple[str, Placements]] = set()
+    copies: dict[tuple[str, Phase], list[Placements]] = defaultdict(list)
+    for u, v, j in edges(traced):
+        src, dst = plan.nodes[u.name].output[0], destination(plan, v, j)
+        if src == dst or (u.name, dst) in moved:
+            continue
+        moved.add((u.name, dst))
+        val = u.meta["val"]
+        if j >= 0 and u.op == "call_function" and leaves_copies(dst):
+            kept = copies[(u.name, traced.phase(v))]
+            src = start_of_move(src, kept, dst, tuple(val.shape), val.element_size(), costs.topology)
+            kept += costs.reshard_hops(src, dst, val)
+        rc = costs.reshard(src, dst, val)
+        comm_s += rc.time_s
+        for c in rc.collectives:
+            colls[c.kind.value] += CollectiveCount(1, c.bytes)
+    return comm_s, dict(colls)
