@@ -346,16 +346,18 @@ point's (177 columns; a bound for plans cheaper than the start) 5.4 s, 35 iterat
 edges of the same supply and demand columns (182 of the 183 transport edges are distinct).
 
 Stop 52 (the edges of a producer that several readers share are flows too, paying each hop once,
-``ilp._charge_moves``; a relaxation of paying each placement once, ``ilp.py``). ``--gap 0.01``, the
-same code in its first form, back to back with main before it on a quiet 2-core machine: 2 layers
-72,144 -> 59,058 columns, 14,491 -> 29,008 rows, the interior-point LP 6.22 -> 4.50 s, the same
-bound (53,807 us) and plan (48.1 ms), the auto plan's own time (``timings.total_s``) 6.68 -> 5.22
-s; 32 layers 9.49 s (11-12 s at stop 51), the same plan (355.0 ms), gap 0.00%; 70B 48.9 s, fsdp_tp
-returned as before (1.6803 s), gap 4.59%: its ILP plan is priced 1.78142 s by this model and
-1.78272 s by the pairs' (the one plan of the three that shares a hop between two readers' moves).
-Tried and not kept: the lowering, the step schedule and the estimate moving each value from its
-copy cheapest to move (so that the hop paid once runs once); it kept a forward copy alive until a
-backward move started from it, which the memory row does not count
+``ilp._charge_moves``; the lowering, the step schedule and the estimate move an activation from its
+copy cheapest to move, of its readers' phase, ``cost/reshard.start_of_move``). Stop 51's main
+(66e5324) and this, back to back, ``--modes warm --gap 0.01``: 2 layers 9.09 -> 8.13 s (72,144 ->
+59,058 columns, 14,491 -> 29,008 rows; the interior-point LP alone 6.22 -> 4.50 s in a run of each;
+the solve after the hand plans 4.60 -> 3.10 s; the build 1.56 -> 2.04 s: a network for every shared
+edge), the same bound (53,807 us) and plan (48.1 ms); 32 layers 10.98 -> 9.59 s, the same plan
+(355.0 ms), gap 0.00%; 70B 50.0 -> 50.4 s, fsdp_tp returned as before (1.6803 s), gap 4.65% ->
+4.59%, peak RSS 1.05 -> 0.80 GiB. Its ILP plan is priced 1.78142 s by this model and 1.78272 s by
+the pairs' (it shares a hop between two readers' moves). First tried with the moves run as before
+(each from the value as made): the model then prices such a hop once and the lowering runs it
+twice. Moving from copies across phases too was tried and not kept: it kept a forward copy alive
+until a backward move started from it, which the memory row does not count
 (``tests/plan/test_checkpointing.py``).
 """
 

@@ -96,6 +96,7 @@ class PlannerCosts:
         self._matrix_cache: dict[tuple, tuple[list, list, np.ndarray]] = {}
         self._shares_cache: dict[tuple, tuple[list, list, np.ndarray]] = {}
         self._network_cache: dict[tuple, tuple[list, list, MoveNetwork | None]] = {}
+        self._hops_cache: dict[tuple, tuple] = {}
 
     def compute_time(self, node: fx.Node, s: Strategy) -> float:
         """Roofline time of ``node`` run with strategy ``s`` on local shapes."""
@@ -169,11 +170,15 @@ class PlannerCosts:
         if key in self._network_cache:
             return self._network_cache[key][2]
         times = self.move_times(srcs, dsts, val)
-        shape, itemsize, ndim = tuple(val.shape), val.element_size(), val.dim()
+        ndim = val.dim()
         node: dict[object, int] = {}
+        seen: dict[int, tuple[Placements, int]] = {}  # by the placements' id: hashing them is slow
 
         def at(p: Placements) -> int:
-            return node.setdefault(normalise(p, ndim) or p, len(node))
+            hit = seen.get(id(p))
+            if hit is None:
+                hit = seen[id(p)] = (p, node.setdefault(normalise(p, ndim) or p, len(node)))
+            return hit[1]
 
         arc: dict[tuple[int, int], int] = {}
         seconds: list[float] = []
@@ -198,12 +203,12 @@ class PlannerCosts:
             if src_node[i] == dst_node[j]:
                 continue
             if makes_partial(srcs[i], dsts[j]):
-                ((_, _, t),) = move_hops(srcs[i], dsts[j], shape, itemsize, self.topology)
+                ((_, _, t),) = self._hops(srcs[i], dsts[j], val)
                 paths[(int(i), int(j))] = [hop(src_node[i], dst_node[j], t)]
                 continue
             path = [hop(src_node[i], at(srcs[i]), 0.0)] if i in local else []
             if at(srcs[i]) != dst_node[j]:
-                hops = move_hops(srcs[i], dsts[j], shape, itemsize, self.topology)
+                hops = self._hops(srcs[i], dsts[j], val)
                 path += [hop(at(a), at(b), t) for a, b, t in hops]
             paths[(int(i), int(j))] = path
         names = {i: k for k, i in node.items()}
@@ -213,6 +218,16 @@ class PlannerCosts:
             net = None
         self._network_cache[key] = (srcs, dsts, net)
         return net
+
+    def _hops(self, src: Placements, dst: Placements,
+              val: torch.Tensor) -> list[tuple[Placements, Placements, float]]:
+        """``cost/reshard.move_hops``, keyed on the placements' identity as ``reshard`` is."""
+        key = (id(src), id(dst), val.shape, val.dtype)
+        hit = self._hops_cache.get(key)
+        if hit is None:
+            hops = move_hops(src, dst, tuple(val.shape), val.element_size(), self.topology)
+            hit = self._hops_cache[key] = (src, dst, hops)  # src/dst keep their ids theirs
+        return hit[2]
 
     def reshard_hops(self, src: Placements, dst: Placements, val: torch.Tensor) -> tuple[Placements, ...]:
         """The placements a move passes through (``cost/reshard.reshard_path``), ``dst`` last."""

@@ -595,9 +595,8 @@ def _add_network(m: _Model, supply: dict[Placements, list[int]], demand: dict[Pl
     for row in rows:
         if row:
             m.row(0.0, 0.0, row)
-    m.flows.append(Flow(first + np.arange(len(net.arcs)),
-                        [([first + k for k in path], supply[srcs[i]], demand[dsts[j]])
-                         for (i, j), path in net.paths.items()]))
+    m.flows.append(Flow(first, len(net.arcs), net.paths, [supply[p] for p in srcs],
+                        [demand[q] for q in dsts]))
     paid = np.flatnonzero(net.seconds > 0.0)
     return _Paid((first + paid).tolist(), [net.labels[k] for k in paid.tolist()], net.seconds[paid].tolist())
 

@@ -30,6 +30,7 @@ HiGHS leaves Python's GIL while it runs), so that the planner prices the hand pl
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -83,8 +84,21 @@ class Flow:
     """A flow edge's columns: its arcs, and each move's arc columns with the x of its source and
     destination placements (an arc is 1 where some move over it is chosen)."""
 
-    arcs: np.ndarray
-    moves: list[tuple[list[int], list[int], list[int]]]
+    first: int  # the first arc's column
+    n_arcs: int
+    paths: dict[tuple[int, int], list[int]]  # (source, destination) -> its move's arcs, from 0
+    sources: list[list[int]]  # the x of each source placement
+    destinations: list[list[int]]
+
+    @property
+    def arcs(self) -> np.ndarray:
+        return self.first + np.arange(self.n_arcs)
+
+    @functools.cached_property
+    def moves(self) -> list[tuple[list[int], list[int], list[int]]]:
+        """Made when a solve first reads them, not while the model is built (the critical path)."""
+        return [([self.first + k for k in path], self.sources[i], self.destinations[j])
+                for (i, j), path in self.paths.items()]
 
 
 def restrict_flows(m: Model, ub: np.ndarray) -> None:
