@@ -29,9 +29,13 @@ as soon as the lookup is made (its mask would be consumed by the first of severa
 
 Every graph output is delivered where the plan's sinks say (``output_sinks``): the loss
 replicated, each gradient in its parameter's placement. The planner prices exactly these moves,
-one per (producer, consumer argument) edge, which the lowering reproduces one for one, so the
-collectives in ``gm`` (``SPMDProgram.collectives``) must equal ``Plan.collectives``;
-``node_collectives`` attributes them to canonical-graph nodes when they do not.
+one per (value, placement) however many consumers read it there, which the lowering reproduces
+one for one, so the collectives in ``gm`` (``SPMDProgram.collectives``) must equal
+``Plan.collectives``; ``node_collectives`` attributes them to canonical-graph nodes when they do
+not. An activation's move starts from the copy of it cheapest to move
+(``cost/reshard.start_of_move``): the value as made, or a placement an earlier move for a reader
+of the same phase reached or passed through (``(S(0), S(1)) -> (R, R)`` after ``-> (R, S(1))``
+is one gather over tp of that copy), as the planner prices it.
 
 Conditions: the plan was made for this graph (fingerprint); every ``Shard`` divides its dim
 evenly (the planner only proposes such shards); a node without a plan entry is left to DTensor.
