@@ -508,7 +508,7 @@ class _Scheduler:
         copies = self._copies(u, item)
         if key not in self.moved and copies is not None and copies.get(dst) in self.passed:
             # a move of this phase passed through dst: that copy is the one read there
-            self.moved[key], self.born[key] = self._keep(copies[dst], i, into=key)
+            self._keep(copies[dst], i, into=key)
             copies[dst] = key
         if key in self.moved:
             self.last_read[key] = i
@@ -562,15 +562,14 @@ class _Scheduler:
             return None
         return self.copies[(u, self._instance(u, item)[1], item.phase)]
 
-    def _keep(self, k: tuple, i: int, into: tuple | None = None) -> tuple[float, int]:
+    def _keep(self, k: tuple, i: int, into: tuple | None = None) -> None:
         """A placement a move passed through (``passed`` key ``k``) becomes a kept copy, read by
-        item ``i``, under the moved key ``into`` (default ``k``); when it arrived and its item."""
+        item ``i``, under the moved key ``into`` (default ``k``)."""
         into = into or k
         self.moved[into], self.born[into], stream = self.passed.pop(k)
         self.first_read[into] = i
         if stream is not None:
             self.move_stream[into] = stream
-        return self.moved[into], self.born[into]
 
     def _nearest_copy(self, u: fx.Node, src: Placements, dst: Placements,
                       copies: dict[Placements, tuple] | None, i: int) -> tuple[Placements, tuple] | None:
@@ -594,11 +593,12 @@ class _Scheduler:
         """Run a move of ``u`` hop by hop (``_run_steps``), noting in ``copies`` each placement it
         passes through, for later moves (``_nearest_copy``); when it ends."""
         hops = self.costs.reshard_hops(src, dst, u.meta["val"])
+        keep = copies is not None and leaves_copies(dst)
         t = ready
         for a, b in zip((src, *hops[:-1]), hops, strict=True):
             steps = self._collective_steps(u, a, b)
             t = self._run_steps(u.name, steps, t, item)
-            if b is not hops[-1] and copies is not None and b not in copies:
+            if keep and b is not hops[-1] and b not in copies:
                 # keyed by phase: a move of the other phase does not start from it
                 k = (*self._move_key(u, b, item)[:3], item.phase)
                 self.passed[k] = (t, i, stream_name(self.names, steps[0][1]) if steps else None)

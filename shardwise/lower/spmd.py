@@ -65,7 +65,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shardwise.cost.reshard import reshard_path, start_of_move
+from shardwise.cost.reshard import leaves_copies, reshard_path, start_of_move
 from shardwise.cost.topology import MeshTopology
 from shardwise.errors import UserError
 from shardwise.ir.trace import Phase, Traced
@@ -402,7 +402,8 @@ class _Lowerer(fx.Interpreter):
             return self._place(v, want)
         key = (name, tuple(want))
         if key not in self.moved:
-            self.moved[key] = self._place(v, want, (name, phase) if phase is not None else None)
+            keep = phase is not None and leaves_copies(tuple(want))
+            self.moved[key] = self._place(v, want, (name, phase) if keep else None)
         return self.moved[key]
 
     def place_output(self, v: torch.Tensor, sink: Placements | None, name: str | None = None) -> DTensor:
