@@ -146,16 +146,18 @@ def test_the_auto_plan_is_priced_as_the_schedule_prices_it(tiny256, shape, names
     assert auto.info["objective_s"] == pytest.approx(step, rel=AGREEMENT)
 
 
-def test_the_reductions_the_last_layer_makes_late_are_priced_after_its_kernels(tiny256):
+def test_the_reductions_the_last_layer_makes_late_are_priced_after_its_kernels():
     """The plan the ILP chooses without the drain (``ScheduleObjective._drain_rows``) ends its
     step with the last layer's late gradients still reducing when the head's are issued: without
     the rows it is priced more than 1% under the schedule, with them within 1%."""
+    tiny = trace_model("llama-tiny", layers=2, batch=8, seq=128)
+    canonicalize(tiny)
     mesh = Mesh((4,), ("dp",), "h100")
     with mock.patch.object(ScheduleObjective, "_drain_rows", lambda self: ([], [])):
-        undrained = make_plan(tiny256, mesh, step_options={})
-    step = price_plan(tiny256, undrained, mesh, {}).step_s
+        undrained = make_plan(tiny, mesh, step_options={})
+    step = price_plan(tiny, undrained, mesh, {}).step_s
     assert undrained.info["objective_s"] < (1 - AGREEMENT) * step
-    priced = make_plan(tiny256, mesh, step_options={}, start_from=[undrained], time_limit_s=NO_TIME_S)
+    priced = make_plan(tiny, mesh, step_options={}, start_from=[undrained], time_limit_s=NO_TIME_S)
     assert priced.params == undrained.params
     assert priced.info["start_s"] == pytest.approx(step, rel=AGREEMENT)
 

@@ -208,7 +208,7 @@ def test_the_other_plans_a_solve_finds_are_handed_to_the_schedule(monkeypatch):
     from shardwise.mesh import parse_mesh
     from shardwise.passes.pipeline import canonicalize
 
-    tr = trace_model("llama-tiny", layers=1, batch=8, seq=32)
+    tr = trace_model("llama-tiny", layers=1, batch=8, seq=64)
     canonicalize(tr)
     mesh = parse_mesh("4", None, "h100")
     seen = []
