@@ -343,9 +343,9 @@ def test_a_rounded_point_within_the_gap_is_still_polished_by_the_neighbourhood(t
         assert point.objective_s > got.objective_s
 
 
-def test_the_solves_other_points_are_distinct_plans_no_cheaper_than_its_solution(tiny):
-    problem, mesh = tiny
-    model = _built(problem, default_budget(mesh))
+def test_the_solves_other_points_are_distinct_plans_no_cheaper_than_its_solution():
+    model_name, mesh, shape = CASES["hf qwen2 2x2"]
+    model = _built(_problem(model_name, mesh, **shape), default_budget(mesh))
     got = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S, rel_gap=LOOSE_GAP)
     assert got.alternatives  # here the rounded LP point, dearer than the neighbourhood's plan
     choices = [got.choice, *(p.choice for p in got.alternatives)]
