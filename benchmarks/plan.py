@@ -358,7 +358,13 @@ the pairs' (it shares a hop between two readers' moves). First tried with the mo
 (each from the value as made): the model then prices such a hop once and the lowering runs it
 twice. Moving from copies across phases too was tried and not kept: it kept a forward copy alive
 until a backward move started from it, which the memory row does not count
-(``tests/plan/test_checkpointing.py``).
+(``tests/plan/test_checkpointing.py``). Then the move networks built faster (placements' nodes and
+hops looked up by identity, a flow's per-move lists made when a solve first reads them): the
+2-layer build 2.04 -> 1.56 s, 2 layers 7.96 s, 32 layers 9.46 s. Then each pay-once written as its
+first edge's terms plus a variable d >= each other edge's less the first's (``ilp._pay_once``; the
+same LP, one row fewer per group): 29,008 -> 21,116 rows, the interior-point LP alone 4.57 -> 3.93
+s; 2 layers 7.25 s (a run at 7.89 s beside a slower machine), 32 layers 9.55 s, 70B 48.1 s, each
+the same plan, bound and gap.
 """
 
 from __future__ import annotations
