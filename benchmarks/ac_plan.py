@@ -77,6 +77,14 @@ square of the layers: 0.09 s at 10 layers, 0.50 s at 20, 7.9 s at 80); once per 
 plan is priced in 1.75 s. With the alternatives but not yet the cached segmentation they had
 planned in 196.9 and 205.7 s. The checks since search the successors nearest the consumer
 first: 80 layers segmented in 5.0 s, the same segments.
+
+Stop 52 (shared edges as flows paying each hop once, moves from the copy cheapest to move, the
+pay-once rows one fewer per group; ``benchmarks/plan.py``): every row fits and is >= its hand plan;
+auto / hand 1.009, 1.036, 1.389, 1.164, 1.304, 1.122; planning 15.1, 5.1, 42.1, 40.3, 55.1, 61.1 s.
+The 8B 64 GPU rows' auto plans are 0.8% slower than stop 51's (6,252.2 against 6,300.0 tokens/s):
+6,273.6 with the flows alone (d802f12) and with the copies (868ebde), 6,252.2 since the pay-once
+rows, an LP of the same optimum whose interior point takes another path, so its rounding and the
+budget fit's re-solves land on other plans.
 """
 
 from __future__ import annotations
