@@ -538,8 +538,10 @@ class _Scheduler:
             comm = self.topo.collective_time(steps[0][0], steps[0][2], steps[0][1])
             arrive = max(produced + scatter_hold, self.stream_free[stream] + comm)
             self._run_steps(u.name, steps, arrive - comm, item)
-        else:
+        elif copies is not None and leaves_copies(dst):
             arrive = self._run_path(u, src, dst, produced, item, i, copies)
+        else:
+            arrive = self._run_steps(u.name, steps, produced, item)
         self.moved[key] = arrive
         if copies is not None and leaves_copies(dst):
             copies.setdefault(dst, key)
@@ -589,16 +591,15 @@ class _Scheduler:
         return start, k
 
     def _run_path(self, u: fx.Node, src: Placements, dst: Placements, ready: float, item: _Item,
-                  i: int, copies: dict[Placements, tuple] | None) -> float:
+                  i: int, copies: dict[Placements, tuple]) -> float:
         """Run a move of ``u`` hop by hop (``_run_steps``), noting in ``copies`` each placement it
         passes through, for later moves (``_nearest_copy``); when it ends."""
         hops = self.costs.reshard_hops(src, dst, u.meta["val"])
-        keep = copies is not None and leaves_copies(dst)
         t = ready
         for a, b in zip((src, *hops[:-1]), hops, strict=True):
             steps = self._collective_steps(u, a, b)
             t = self._run_steps(u.name, steps, t, item)
-            if keep and b is not hops[-1] and b not in copies:
+            if b is not hops[-1] and b not in copies:
                 # keyed by phase: a move of the other phase does not start from it
                 k = (*self._move_key(u, b, item)[:3], item.phase)
                 self.passed[k] = (t, i, stream_name(self.names, steps[0][1]) if steps else None)
