@@ -365,6 +365,15 @@ first edge's terms plus a variable d >= each other edge's less the first's (``il
 same LP, one row fewer per group): 29,008 -> 21,116 rows, the interior-point LP alone 4.57 -> 3.93
 s; 2 layers 7.25 s (a run at 7.89 s beside a slower machine), 32 layers 9.55 s, 70B 48.1 s, each
 the same plan, bound and gap.
+
+Stop 53 (the interior-point LP first without the memory row and the columns and rows only it
+reads, ``solver.MemoryPart``; the whole LP only where that LP's point breaks the row). The LP
+alone on 2 layers 4.41 -> 3.11-3.45 s, the same bound (53,807.3 us); stop 52's main (21337c9) and
+this, alternating, ``--cases llama3-8b:2 --modes warm --gap 0.01``: 8.59 and 7.78 s -> 7.76, 7.34
+and 6.88 s (the solve after the hand plans 2.86-2.87 -> 1.89-2.73 s), the same plan (48.1 ms).
+32 layers 11.35 s in a slow hour (trace 1.19 s), 70B 50.6 s, each the same plan, bound and gap.
+Where the row binds, the second LP costs: ``benchmarks/ac_plan.py --rows 8b-8,8b-64`` planned
+12.5, 4.5, 39.0 and 46.5 s before and 12.7, 4.9, 42.0 and 43.5 s after, the same plans.
 """
 
 from __future__ import annotations

@@ -242,8 +242,10 @@ class CheckpointingModel:
 
     # ---- points ----------------------------------------------------------------------------
     def complete(self, val: np.ndarray, ac: ACChoice | None) -> None:
-        """Fill the counts and the spread columns of a start point whose x are set in ``val``,
-        for the activation checkpointing ``ac`` (none where None)."""
+        """Fill the counts and the spread columns of a point whose x are set in ``val``, for
+        the activation checkpointing ``ac`` (none where None). At fractional x too (an LP's
+        point, ``solver.MemoryPart``): each spread column takes its placement's share of the
+        count, n y[r,p], within its row w <= L y and summing to n."""
         by_layer = ac.layer_policies().layers if ac is not None else ()
         ordered = sorted({k for g in self.groups for k in g.layers})
         policy_of = dict(zip(ordered, by_layer, strict=False)) if len(by_layer) == len(ordered) else {}
@@ -253,7 +255,7 @@ class CheckpointingModel:
         for s in self.spreads:
             n = sum(val[self.counts[s.group][p]] for p in s.policies)
             for col, vs in zip(s.cols, s.ends, strict=True):
-                val[col] = n if val[vs].sum() > 0.5 else 0.0
+                val[col] = n * val[vs].sum()
 
     def choice(self, sol: np.ndarray) -> ACChoice:
         """The counts at the solution ``sol``."""

@@ -68,7 +68,9 @@ objective (the full LP's optimum), and returns an integral LP optimum as the ILP
 runs the MIP over the columns whose reduced cost leaves them able to beat the start point. The
 optimum is the whole model's (``pricing=False`` solves the whole model at once). The schedule
 objective's model (``objective.py``) is solved from its interior-point LP bound instead
-(``solver.solve_by_lp_bound``).
+(``solver.solve_by_lp_bound``), that LP first without the memory row and the columns and rows
+only it reads (``solver.MemoryPart``), the whole LP only where that LP's point breaks the row:
+on llama3-8b, 2 layers over 8x8, 4.4 -> 3.1-3.5 s, the same bound and plan.
 
 Activation checkpointing (``checkpointing.py``, training): per cluster of identical layers, how
 many run none / selective / full, with the recomputation in the objective and the saved bytes
@@ -91,6 +93,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -102,6 +105,7 @@ from shardwise.ir.flops import is_view
 from shardwise.ir.match import is_transpose_2d
 from shardwise.ir.regions import alias_root
 from shardwise.ir.trace import Phase, Traced
+from shardwise.passes.remat import ACPolicy
 from shardwise.plan.cluster import Clustering
 from shardwise.plan.costs import MoveNetwork, PlannerCosts, local_bytes
 from shardwise.plan.placement import Placements, view_base_placements
@@ -110,6 +114,7 @@ from shardwise.plan.solver import (
     MIP_REL_GAP,
     Flow,
     LpRun,
+    MemoryPart,
     Model,
     add_terms,
     complete,
@@ -430,6 +435,7 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         return _supply(ns, xs, clus, n)
 
     ck_mem: dict[int, float] = {}
+    part_from = (len(m.cost), len(m.row_lb))  # what only the memory row needs starts here
     if checkpointing is not None:
         memory = replace(memory, exclude=checkpointing.excluded())
         ck_mem = checkpointing.build(m, ns, xs, supply_of,
@@ -443,6 +449,12 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         if traced.train and memory.include_activations and memory.moved_copies:
             add_terms(ck_mem, _saved_moves(traced, clus, costs, m, demands, supply_of, one, checkpointing))
         add_terms(mem_terms, ck_mem)
+    if checkpointing is None or checkpointing.fixed in (None, ACPolicy.NONE):
+        # The interior-point LP starts without it (``solver.MemoryPart``); a fixed policy that
+        # recomputes is a cost, not a choice the memory row alone asks for.
+        fill = None if checkpointing is None else partial(checkpointing.complete, ac=None)
+        m.memory_part = MemoryPart(range(part_from[0], len(m.cost)), range(part_from[1], len(m.row_lb)), fill)
+    if memory_budget is not None:
         m.memory_row = len(m.row_lb)
         m.row(-math.inf, float(memory_budget) / MEMORY_UNIT_BYTES,
               {v: b / MEMORY_UNIT_BYTES for v, b in mem_terms.items()})

@@ -26,6 +26,9 @@ point), the MIP over every column gets the rest of the time, as if nothing had b
 The schedule objective's models are solved from their interior-point LP bound instead
 (``solve_by_lp_bound``), whose LP can be started ahead in a background thread (``LpRun``:
 HiGHS leaves Python's GIL while it runs), so that the planner prices the hand plans meanwhile.
+That LP first leaves out the memory row and what only it reads (``MemoryPart``): where its
+point, extended to that part, keeps to the row, it is the whole LP's optimum too; otherwise the
+whole LP is solved.
 """
 
 from __future__ import annotations
@@ -152,6 +155,9 @@ class Model:
     # columns at least 0 that only add to the cost, and the rows that read them (the schedule
     # objective's drain), so that the LP is a relaxation of the model; None: nothing left out.
     relaxed_from: tuple[int, int] | None = None
+    # What only the memory row needs, which the interior-point LP first leaves out with that
+    # row (``MemoryPart``, ``LpRun``); None: nothing.
+    memory_part: MemoryPart | None = None
     # ``complete``'s index arrays, built on its first call (the model is final by then), and
     # ``restrict_flows``'s: (moves, each move's arcs, sources' x, destinations' x, every arc).
     _completion: _Completion | None = field(default=None, repr=False)
@@ -192,6 +198,22 @@ class Model:
         self.t_rows[t] = rows
         for terms in rows:
             self.row(-math.inf, 0.0, {**terms, t: -1.0})
+
+
+@dataclass
+class MemoryPart:
+    """Columns and rows of a model that serve only its memory row: activation checkpointing's
+    counts and spread columns (``checkpointing.py``) and the kept moved copies
+    (``ilp._saved_moves``). Without them and the memory row, the model plans with no activation
+    checkpointing and no memory limit: a relaxation (recomputation only adds to the cost, and
+    the part's other columns cost nothing). ``fill`` sets the part's columns at a point of the
+    rest as that relaxation has them: every layer with no checkpointing (its spreads then
+    follow from the x, fractional or not); ``LpRun`` sets the part's move variables
+    (``Model.t_rows``) after it, each at the largest of its rows."""
+
+    cols: range
+    rows: range
+    fill: Callable[[np.ndarray], None] | None  # None: nothing but move variables
 
 
 def add_terms(into: dict[int, float], terms: dict[int, float]) -> None:
@@ -546,12 +568,19 @@ def complete(m: Model, val: np.ndarray) -> np.ndarray:
     return val
 
 
-def violated_rows(m: Model, val: np.ndarray) -> int:
-    """How many rows ``val`` breaks (beyond HiGHS's feasibility tolerance)."""
-    rows = m.entry_rows()
-    activity = np.bincount(rows, weights=np.array(m.value) * val[np.array(m.index, dtype=np.int64)],
-                           minlength=len(m.row_lb))
-    lo, hi = np.array(m.row_lb), np.array(m.row_ub)
+def violated_rows(m: Model, val: np.ndarray, rows: list[int] | None = None) -> int:
+    """How many rows ``val`` breaks (beyond HiGHS's feasibility tolerance), of ``rows`` (all by
+    default)."""
+    if rows is not None:
+        bounds = m.starts + [len(m.index)]
+        activity = np.array([sum(m.value[k] * val[m.index[k]] for k in range(bounds[r], bounds[r + 1]))
+                             for r in rows])
+        lo, hi = np.array(m.row_lb)[rows], np.array(m.row_ub)[rows]
+    else:
+        entry_rows = m.entry_rows()
+        activity = np.bincount(entry_rows, weights=np.array(m.value) * val[np.array(m.index, dtype=np.int64)],
+                               minlength=len(m.row_lb))
+        lo, hi = np.array(m.row_lb), np.array(m.row_ub)
     return int(((activity < lo - FEASIBILITY_TOL) | (activity > hi + FEASIBILITY_TOL)).sum())
 
 
@@ -603,22 +632,42 @@ def _lp_bound(m: Model, unit: float, time_limit_s: float, tolerance: float | Non
     return run.result()
 
 
-def _relaxation(m: Model, unit: float) -> highspy.HighsLp:
-    """The LP relaxation ``LpRun`` solves: ``m`` without its integrality and without the part
-    ``Model.relaxed_from`` names (its rows read only its columns and earlier ones)."""
+def _relaxation(m: Model, unit: float, cols: np.ndarray, rows: np.ndarray) -> highspy.HighsLp:
+    """The LP relaxation ``LpRun`` solves: ``m`` without its integrality, on the columns and
+    rows the masks ``cols`` and ``rows`` keep (``_kept``; a kept row reads kept columns, or
+    left-out ones that are 0 at the points the relaxation stands for)."""
     lp = _highs_lp(m, unit)
     lp.integrality_ = []
-    if m.relaxed_from is not None:
-        cols, rows = m.relaxed_from
-        start = np.asarray(lp.a_matrix_.start_)
-        lp.num_col_, lp.num_row_ = cols, rows
-        for name in ("col_cost_", "col_lower_", "col_upper_"):
-            setattr(lp, name, np.asarray(getattr(lp, name))[:cols])
-        lp.row_lower_, lp.row_upper_ = np.asarray(lp.row_lower_)[:rows], np.asarray(lp.row_upper_)[:rows]
-        lp.a_matrix_.start_ = start[:rows + 1]
-        lp.a_matrix_.index_ = np.asarray(lp.a_matrix_.index_)[:start[rows]]
-        lp.a_matrix_.value_ = np.asarray(lp.a_matrix_.value_)[:start[rows]]
+    if cols.all() and rows.all():
+        return lp
+    index = np.asarray(lp.a_matrix_.index_)
+    entry_rows = m.entry_rows()
+    entries = rows[entry_rows] & cols[index]
+    new_col = np.cumsum(cols) - 1
+    lp.num_col_, lp.num_row_ = int(cols.sum()), int(rows.sum())
+    for name in ("col_cost_", "col_lower_", "col_upper_"):
+        setattr(lp, name, np.asarray(getattr(lp, name))[cols])
+    lp.row_lower_, lp.row_upper_ = np.asarray(lp.row_lower_)[rows], np.asarray(lp.row_upper_)[rows]
+    lp.a_matrix_.start_ = np.concatenate(
+        [[0], np.cumsum(np.bincount(entry_rows[entries], minlength=len(rows))[rows])]).astype(np.int32)
+    lp.a_matrix_.index_ = new_col[index[entries]].astype(np.int32)
+    lp.a_matrix_.value_ = np.asarray(lp.a_matrix_.value_)[entries]
     return lp
+
+
+def _kept(m: Model, memory: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The columns and rows of ``m``'s LP relaxation (masks): all but the part
+    ``Model.relaxed_from`` names and, with ``memory`` False, the memory row and the
+    ``Model.memory_part``."""
+    cols, rows = np.ones(len(m.cost), dtype=bool), np.ones(len(m.row_lb), dtype=bool)
+    if m.relaxed_from is not None:
+        cols[m.relaxed_from[0]:], rows[m.relaxed_from[1]:] = False, False
+    if not memory and m.memory_part is not None:
+        part = m.memory_part
+        cols[part.cols.start:part.cols.stop], rows[part.rows.start:part.rows.stop] = False, False
+        if m.memory_row is not None:
+            rows[m.memory_row] = False
+    return cols, rows
 
 
 def _equilibrate_rows(lp: highspy.HighsLp) -> np.ndarray:
@@ -638,6 +687,10 @@ def _equilibrate_rows(lp: highspy.HighsLp) -> np.ndarray:
     return scale
 
 
+# An interior point's statuses with a point: optimal, or stopped a little off the dual's tolerance.
+_SOLVED = (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kUnknown)
+
+
 class LpRun:
     """``_lp_bound`` of a model, optionally solved in a background thread: HiGHS leaves Python's
     GIL while it runs, so the planner goes on (pricing the hand plans) on another core. The
@@ -650,9 +703,14 @@ class LpRun:
     aborts the process ("terminate called without an active exception", exit 134)."""
 
     def __init__(self, m: Model, unit: float, time_limit_s: float, tolerance: float | None = None,
-                 *, background: bool = True) -> None:
+                 *, background: bool = True, memory: bool = False) -> None:
         self.m, self.unit, self.tolerance = m, unit, tolerance
-        self.lp = _relaxation(m, unit)
+        self.deadline = time.perf_counter() + time_limit_s
+        # Without the memory row first (``MemoryPart``); ``result`` solves the whole LP where
+        # that LP's point breaks it.
+        self.memory = memory or m.memory_part is None
+        self.cols, self.rows = _kept(m, self.memory)
+        self.lp = _relaxation(m, unit, self.cols, self.rows)
         self.row_scale = _equilibrate_rows(self.lp)
         self.h = _highs(time_limit_s)
         self.h.setOptionValue("solver", "ipm")
@@ -681,22 +739,21 @@ class LpRun:
             self._thread.join()
         if self._error is not None:
             raise self._error
+        if not self.memory:
+            self._check_memory()
         h, m = self.h, self.m
         solution = h.getSolution()
         # Without crossover, the interior point may stop "unknown", its point a little off the
         # dual's tolerance (llama3-8b, 32 layers: after 40 iterations, where it was then solved
         # again at HiGHS's tolerance, 13.5 s and then 15.9 s). The bound below holds for any
         # duals, so such a point serves as well; only no point at all does not.
-        status, kind = h.getModelStatus(), highspy.HighsModelStatus
-        if not (status == kind.kOptimal
-                or (status == kind.kUnknown and solution.value_valid and solution.dual_valid)):
+        if not (h.getModelStatus() in _SOLVED and solution.value_valid and solution.dual_valid):
             return None
         # The duals of the rows as ``m`` writes them (each scaled row's dual, times its scale),
         # and the point, over the whole model (0 on the part the relaxation left out).
         y = np.zeros(len(m.row_lb))
-        y[:self.lp.num_row_] = np.asarray(solution.row_dual, dtype=np.float64) * self.row_scale
-        primal = np.zeros(len(m.cost))
-        primal[:self.lp.num_col_] = np.asarray(solution.col_value)
+        y[self.rows] = np.asarray(solution.row_dual, dtype=np.float64) * self.row_scale
+        primal = self._point()
         lo, hi = np.array(m.row_lb, dtype=np.float64), np.array(m.row_ub, dtype=np.float64)
         y[(y > 0.0) & ~np.isfinite(lo)] = 0.0
         y[(y < 0.0) & ~np.isfinite(hi)] = 0.0
@@ -727,6 +784,40 @@ class LpRun:
                 # the multiplier at 0 bounds better, and reduced-cost fixing takes its costs.
                 bound, reduced = any_budget, free
         return _LpBound(bound, primal, reduced, any_budget)
+
+    def _point(self) -> np.ndarray:
+        """The LP's point over the whole model: 0 on what the relaxation left out, but the
+        memory part, which is set as the relaxation has it (``MemoryPart``)."""
+        m = self.m
+        primal = np.zeros(len(m.cost))
+        primal[self.cols] = np.asarray(self.h.getSolution().col_value)
+        if not self.memory:
+            if m.memory_part.fill is not None:
+                m.memory_part.fill(primal)
+            part = m.memory_part.cols
+            for t, rows in m.t_rows.items():  # in the order they were added: after what they read
+                if t in part:
+                    primal[t] = max(0.0, *(sum(c * primal[e] for e, c in terms.items()) for terms in rows))
+        return primal
+
+    def _check_memory(self) -> None:
+        """Where the LP without the memory row has a point that breaks it (or the memory
+        part's rows), solve the whole LP instead, and take its point and duals from now on;
+        where it has none, too (its time limit). Where the point keeps to the row, it is the
+        whole LP's optimum too (the optimum of a relaxation, and feasible); a later ``result``
+        checks it again (``IlpModel.set_budget``: a lower budget)."""
+        m, part = self.m, self.m.memory_part
+        status = self.h.getModelStatus()
+        point = self._point() if status in _SOLVED and self.h.getSolution().value_valid else None
+        rows = [*part.rows, *([m.memory_row] if m.memory_row is not None else [])]
+        if point is not None and not violated_rows(m, point, rows):
+            return
+        log.debug("the LP without the memory row broke it: the whole LP")
+        self.memory = True
+        whole = LpRun(m, self.unit, max(0.0, self.deadline - time.perf_counter()), self.tolerance,
+                      background=False, memory=True)
+        self.h, self.lp, self.row_scale = whole.h, whole.lp, whole.row_scale
+        self.cols, self.rows = whole.cols, whole.rows
 
 
 def _mip(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None, upper: np.ndarray,

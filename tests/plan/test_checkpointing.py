@@ -147,3 +147,47 @@ def _memory_row_at(prepared, plan) -> float:
     assert choice is not None
     val = _start_vector(model.m, model.deciding, choice, model.one, model.checkpointing, plan.ac)
     return sum(b * val[v] for v, b in model.mem_terms.items())
+
+
+
+def _lp_runs(tiny, mesh, baseline):
+    """The ILP of ``baseline`` (placements fixed, checkpointing decided) under no memory
+    pressure, and its LP started without the memory row and whole."""
+    from shardwise.plan.ilp import OBJECTIVE_UNIT_S
+    from shardwise.plan.planner import prepare_plan
+    from shardwise.plan.solver import LpRun
+
+    model = prepare_plan(tiny, mesh, baseline=baseline, memory_budget=BIG, step_options={"ac": None}).model
+    return model, [LpRun(model.m, OBJECTIVE_UNIT_S, 60.0, background=False, memory=memory)
+                   for memory in (False, True)]
+
+
+@pytest.mark.parametrize("mesh_name, baseline", [("2", "ddp"), ("2x2", "fsdp_tp_sp")])
+def test_the_lp_without_the_memory_row_is_the_whole_lp_where_its_point_keeps_to_it(tiny, mesh_name, baseline):
+    """The interior-point LP first runs without the memory row and what only that row reads
+    (``solver.MemoryPart``: the checkpointing counts and spreads, the kept moved copies): a
+    smaller LP. Under no memory pressure its point (no checkpointing) keeps to the row, and its
+    bound is the whole LP's, with no second LP."""
+    from shardwise.mesh import parse_mesh
+
+    mesh = parse_mesh(mesh_name, "dp,tp" if "x" in mesh_name else None, "h100")
+    _, (first, whole) = _lp_runs(tiny, mesh, baseline)
+    assert first.lp.num_col_ < whole.lp.num_col_ and first.lp.num_row_ < whole.lp.num_row_
+    assert first.result().bound == pytest.approx(whole.result().bound, rel=1e-5)
+    assert not first.memory  # no second LP
+
+
+def test_an_lp_whose_point_breaks_the_memory_row_is_solved_whole(tiny, mesh, uniform):
+    """Under a budget between no checkpointing and selective, the point of the LP without the
+    memory row (no checkpointing) breaks it: the whole LP is solved instead, its bound higher."""
+    from shardwise.plan.ilp import OBJECTIVE_UNIT_S
+    from shardwise.plan.solver import LpRun
+
+    model, (first, _) = _lp_runs(tiny, mesh, "ddp")
+    slack = first.result()
+    model.set_budget((uniform[ACPolicy.NONE][0] + uniform[ACPolicy.SELECTIVE][0]) / 2)
+    tight = first.result()
+    assert first.memory  # the row broke: the whole LP
+    whole = LpRun(model.m, OBJECTIVE_UNIT_S, 60.0, background=False, memory=True)
+    assert tight.bound == pytest.approx(whole.result().bound, rel=1e-5)
+    assert tight.bound > slack.bound * (1 + 1e-4)

@@ -236,18 +236,22 @@ def test_the_part_the_lp_leaves_out_lowers_its_bound_and_the_solve_prices_it():
 
 def test_a_model_solved_again_under_another_budget_keeps_its_lp_and_finds_its_optimum(tiny, tolerances):
     """``IlpModel.set_budget`` (the planner's budget fit): the same model under a tighter memory
-    budget, solved again without a second interior point, finds the optimum of a model built
-    with that budget, within it, and its bound is a bound."""
+    budget, solved again, finds the optimum of a model built with that budget, within it, and
+    its bound is a bound. The first LP left the memory row out (its point kept to the default
+    budget): the tighter budget solves the whole LP once, and a third budget none."""
     problem, mesh = tiny
     model = _built(problem, default_budget(mesh))
     model.start_lp(TIME_LIMIT_S)
     first = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
     tight = 1.2 * _floor(problem)
     assert first.memory_bytes > tight  # the first plan breaks the tighter budget
-    model.set_budget(tight)
+    model.set_budget(1.5 * _floor(problem))
     tolerances.clear()
+    ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
+    assert tolerances == [None]  # the whole LP, once
+    model.set_budget(tight)
     again = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S)
-    assert tolerances == []  # no interior point solved again
+    assert tolerances == [None]  # kept: no interior point solved again
     fresh = ilp.solve_built(_built(problem, tight), time_limit_s=TIME_LIMIT_S)
     assert again.status == fresh.status == "optimal"
     assert again.objective_s == pytest.approx(fresh.objective_s, rel=REL)
