@@ -93,32 +93,36 @@ class Step:
     dst: Placement
 
 
-def _is_shard(p: Placement, dim: int | None = None) -> bool:
-    return type(p) is Shard and (dim is None or p.dim == dim)
-
-
 def plan_steps(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> list[Step]:
     """DTensor's greedy transform plan (``generate_greedy_transform_infos``), placements only."""
+    steps = _code_steps(_codes(src), _codes(dst), mesh_shape)
+    return [Step(i, _placement(a), _placement(b)) for i, a, b in steps]
+
+
+def _is_shard(c: object) -> bool:
+    return type(c) is int and c >= 0
+
+
+def _code_steps(src: tuple, dst: tuple, mesh_shape: tuple[int, ...]) -> list[tuple[int, object, object]]:
+    """``plan_steps`` on placement codes (``_codes``): (mesh dim, from, to) each."""
     if len(mesh_shape) == 1:
-        return [Step(0, src[0], dst[0])] if src[0] != dst[0] else []
-    steps: list[Step] = []
-    current, target = list(src), list(dst)
-    num_shards = math.prod(n for p, n in zip(src, mesh_shape, strict=True) if _is_shard(p))
+        return [(0, src[0], dst[0])] if src[0] != dst[0] else []
+    steps: list[tuple[int, object, object]] = []
+    current = list(src)
+    num_shards = math.prod(n for c, n in zip(src, mesh_shape, strict=True) if _is_shard(c))
     if num_shards > 1:
         for i in reversed(range(len(current))):
-            want = target[i]
-            if _is_shard(want):
-                # nested sharding of the same tensor dim by outer mesh dims must agree
-                cur_outer = [j for j in range(i) if _is_shard(current[j], want.dim)]
-                tgt_outer = [j for j in range(i) if _is_shard(target[j], want.dim)]
-                if cur_outer != tgt_outer:
-                    want = Replicate()
+            want = dst[i]
+            # nested sharding of the same tensor dim by outer mesh dims must agree
+            if _is_shard(want) and ([j for j in range(i) if current[j] == want]
+                                    != [j for j in range(i) if dst[j] == want]):
+                want = _REPLICATE
             if current[i] != want:
-                steps.append(Step(i, current[i], want))
+                steps.append((i, current[i], want))
                 current[i] = want
-    for i, (cur, want) in enumerate(zip(current, target, strict=True)):
+    for i, (cur, want) in enumerate(zip(current, dst, strict=True)):
         if cur != want:
-            steps.append(Step(i, cur, want))
+            steps.append((i, cur, want))
             current[i] = want
     return steps
 
@@ -143,19 +147,21 @@ def makes_partial(src: Placements, dst: Placements) -> bool:
     return any(type(b) is Partial and a != b for a, b in zip(src, dst, strict=True))
 
 
-def _mixed_partials(ps: Placements) -> bool:
-    return len({p.reduce_op for p in ps if type(p) is Partial}) > 1
-
-
 def local_shape(placements: Placements, global_shape: tuple[int, ...],
                 mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
     """Per-rank shape under ``placements``; None when a shard does not divide evenly."""
+    codes = _normal_codes(placements, len(global_shape))
+    return None if codes is None else _local_shape(codes, tuple(global_shape), mesh_shape)
+
+
+def _local_shape(codes: tuple, global_shape: tuple[int, ...],
+                 mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
     shape = list(global_shape)
-    for p, n in zip(placements, mesh_shape, strict=True):
-        if _is_shard(p):
-            if shape[p.dim] % n:
+    for c, n in zip(codes, mesh_shape, strict=True):
+        if _is_shard(c):
+            if shape[c] % n:
                 return None
-            shape[p.dim] //= n
+            shape[c] //= n
     return tuple(shape)
 
 
@@ -170,44 +176,52 @@ def reshard_path(src: Placements, dst: Placements, global_shape: tuple[int, ...]
     mesh = topology.mesh_shape
     if len(src) != len(mesh) or len(dst) != len(mesh):
         raise ValueError(f"placements {src} -> {dst} do not match the {len(mesh)}-dim mesh {mesh}")
-    s, d = normalise(src, len(global_shape)), normalise(dst, len(global_shape))
-    if s is None or d is None or _mixed_partials(s) or _mixed_partials(d):
+    s, d = _normal_codes(src, len(global_shape)), _normal_codes(dst, len(global_shape))
+    if s is None or d is None:
         return (tuple(dst),), IMPOSSIBLE
-    shape = tuple(global_shape)
-    best = ((tuple(dst),), _dtensor_cost(s, d, shape, itemsize, topology))
-    if s == d or makes_partial(s, d):
-        return best
+    hops, cost = _code_path(s, d, tuple(global_shape), itemsize, topology)
+    return (tuple(dst),) if hops is None else tuple(_placements(c) for c in hops), cost
+
+
+@functools.lru_cache(maxsize=1 << 20)
+def _code_path(s: tuple, d: tuple, shape: tuple[int, ...], itemsize: int,
+               topology: MeshTopology) -> tuple[tuple | None, ReshardCost]:
+    """``reshard_path`` on normalised codes: the hops' codes (None: DTensor's one
+    ``redistribute``) and the cost."""
+    if _mixed_partials(s) or _mixed_partials(d):
+        return None, IMPOSSIBLE
+    best = _dtensor_cost(s, d, shape, itemsize, topology)
+    if s == d or any(_is_partial(b) and a != b for a, b in zip(s, d, strict=True)):
+        return None, best
     tree = hop_tree(s, shape, itemsize, topology)
-    start, end = _codes(s), _codes(d)
-    if end not in tree or not tree[end][0] < best[1].time_s * (1.0 - PATH_GAIN):
-        return best  # on a tie DTensor's one redistribute is kept
-    codes = [end]
-    while tree[codes[-1]][1] != start:
+    if d not in tree or not tree[d][0] < best.time_s * (1.0 - PATH_GAIN):
+        return None, best  # on a tie DTensor's one redistribute is kept
+    codes = [d]
+    while tree[codes[-1]][1] != s:
         codes.append(tree[codes[-1]][1])
-    hops = [_placements(c) for c in reversed(codes)]
-    steps = zip((s, *hops[:-1]), hops, strict=True)
-    uses = tuple(u for a, b in steps for u in _dtensor_cost(a, b, shape, itemsize, topology).collectives)
-    return tuple(hops), ReshardCost(tree[end][0], uses)
+    hops = tuple(reversed(codes))
+    uses = tuple(u for a, b in zip((s, *hops[:-1]), hops, strict=True)
+                 for u in _dtensor_cost(a, b, shape, itemsize, topology).collectives)
+    return hops, ReshardCost(tree[d][0], uses)
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def hop_tree(src: Placements, global_shape: tuple[int, ...], itemsize: int,
+def hop_tree(src: tuple, global_shape: tuple[int, ...], itemsize: int,
              topology: MeshTopology) -> dict[tuple, tuple[float, tuple]]:
-    """Shortest paths from ``src`` (normalised) over hops that each change one mesh dim to
-    ``Replicate`` or a ``Shard`` (one DTensor ``redistribute``, priced by ``_dtensor_cost``):
-    placement -> (seconds, the placement before it), each as its codes (``_codes``).
+    """Shortest paths from ``src`` (normalised codes, ``_codes``) over hops that each change one
+    mesh dim to ``Replicate`` or a ``Shard`` (one DTensor ``redistribute``, priced by
+    ``_dtensor_cost``): placement -> (seconds, the placement before it), each as its codes.
 
     Moving one dim at a time can be much cheaper than DTensor's one plan. Over 8x8, that plan
     takes ``(R, S(0)) -> (S(0), R)`` by an all_gather of the whole tensor over tp; the hops
     all_to_all over tp to ``(R, S(1))``, slice over dp to ``(S(0), S(1))`` and gather an
     eighth over tp (2.75 -> 0.77 ms for a bf16 16 x 8192 x 4096 activation on h100). Ties keep
-    the path of fewer hops. The search runs on codes (placement objects hash and compare in
-    Python, slowly), and each hop's cost is kept per shape and mesh for other sources' searches."""
+    the path of fewer hops. Each hop's cost is kept per shape and mesh for other sources'
+    searches."""
     options = (_REPLICATE, *range(len(global_shape)))
     arcs = _ARC_COSTS.setdefault((global_shape, itemsize, topology), {})
-    start = _codes(src)
     done: dict[tuple, tuple[float, tuple]] = {}
-    heap = [(0.0, 0, 0, start, start)]
+    heap = [(0.0, 0, 0, src, src)]
     order = itertools.count(1)
     while heap:
         t, n, _, at, before = heapq.heappop(heap)
@@ -223,27 +237,57 @@ def hop_tree(src: Placements, global_shape: tuple[int, ...], itemsize: int,
                     continue
                 c = arcs.get((at, nxt))
                 if c is None:
-                    c = arcs[(at, nxt)] = _dtensor_cost(_placements(at), _placements(nxt), global_shape,
-                                                        itemsize, topology).time_s
+                    c = arcs[(at, nxt)] = _dtensor_cost(at, nxt, global_shape, itemsize, topology).time_s
                 if c != math.inf:
                     heapq.heappush(heap, (t + c, n + 1, next(order), nxt, at))
     return done
 
 
-# Placement codes for ``hop_tree``: Shard(d) is d, Replicate this, Partial its reduce op's name.
+# Placement codes: Shard(d) is d, Replicate this, Partial its reduce op's name. The cost model
+# runs on codes: placement objects hash and compare in Python, slowly.
 _REPLICATE = -1
 _ARC_COSTS: dict[tuple, dict[tuple[tuple, tuple], float]] = {}
 
 
 def _codes(ps: Placements) -> tuple:
+    """The codes of placements whose Shard dims are non-negative (``_normal_codes``)."""
     return tuple(p.dim if type(p) is Shard else _REPLICATE if type(p) is Replicate else p.reduce_op
                  for p in ps)
 
 
+def _normal_codes(ps: Placements, ndim: int) -> tuple | None:
+    """The codes of ``normalise(ps, ndim)``; None where it is None."""
+    out = []
+    for p in ps:
+        kind = type(p)
+        if kind is Shard:
+            if not -ndim <= p.dim < ndim:
+                return None
+            out.append(p.dim % ndim)
+        elif kind is Replicate:
+            out.append(_REPLICATE)
+        elif kind is Partial:
+            out.append(p.reduce_op)
+        else:  # _StridedShard and other placements: not priced
+            return None
+    return tuple(out)
+
+
+def _is_partial(c: object) -> bool:
+    return type(c) is str
+
+
+def _mixed_partials(codes: tuple) -> bool:
+    return len({c for c in codes if _is_partial(c)}) > 1
+
+
+def _placement(c: object) -> Placement:
+    return Shard(c) if _is_shard(c) else Replicate() if c == _REPLICATE else Partial(c)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _placements(codes: tuple) -> Placements:
-    return tuple(Shard(c) if type(c) is int and c >= 0 else Replicate() if c == _REPLICATE else Partial(c)
-                 for c in codes)
+    return tuple(_placement(c) for c in codes)
 
 
 def move_hops(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
@@ -256,7 +300,7 @@ def move_hops(src: Placements, dst: Placements, global_shape: tuple[int, ...], i
     chain = (tuple(src), *hops[:-1], tuple(dst))
     if len(chain) == 2:
         return [(chain[0], chain[1], cost.time_s)]
-    norm = [normalise(p, len(global_shape)) for p in chain]
+    norm = [_normal_codes(p, len(global_shape)) for p in chain]
     return [(a, b, _dtensor_cost(na, nb, tuple(global_shape), itemsize, topology).time_s)
             for a, b, na, nb in zip(chain, chain[1:], norm, norm[1:], strict=False)]
 
@@ -293,24 +337,23 @@ def start_of_move(src: Placements, copies: Iterable[Placements], dst: Placements
 
 
 @functools.lru_cache(maxsize=1 << 20)
-def _dtensor_cost(s: Placements, d: Placements, global_shape: tuple[int, ...], itemsize: int,
+def _dtensor_cost(s: tuple, d: tuple, global_shape: tuple[int, ...], itemsize: int,
                   topology: MeshTopology) -> ReshardCost:
-    """Time and collectives of one DTensor ``redistribute`` from ``s`` to ``d`` (normalised,
-    neither mixing two kinds of ``Partial``)."""
+    """Time and collectives of one DTensor ``redistribute`` from ``s`` to ``d`` (normalised
+    codes, neither mixing two kinds of ``Partial``)."""
     mesh = topology.mesh_shape
-    shape = local_shape(s, tuple(global_shape), mesh)
-    if shape is None or local_shape(d, tuple(global_shape), mesh) is None:
+    shape = _local_shape(s, global_shape, mesh)
+    if shape is None or _local_shape(d, global_shape, mesh) is None:
         return IMPOSSIBLE
     current = list(s)
     uses: list[CollectiveUse] = []
     time_s = 0.0
-    for step in plan_steps(s, d, mesh):
-        n = mesh[step.mesh_dim]
-        current[step.mesh_dim] = step.dst
-        new_shape = local_shape(tuple(current), tuple(global_shape), mesh)
+    for dim, a, b in _code_steps(s, d, mesh):
+        current[dim] = b
+        new_shape = _local_shape(tuple(current), global_shape, mesh)
         if new_shape is None:
             return IMPOSSIBLE
-        use = _step_collective(step, n, math.prod(shape) * itemsize)
+        use = _step_collective(dim, a, b, mesh[dim], math.prod(shape) * itemsize)
         if use is IMPOSSIBLE:
             return IMPOSSIBLE
         shape = new_shape
@@ -320,22 +363,22 @@ def _dtensor_cost(s: Placements, d: Placements, global_shape: tuple[int, ...], i
     return ReshardCost(time_s, tuple(uses))
 
 
-def _step_collective(step: Step, n: int, local_bytes: int):
-    """The collective one step runs (None: a local op or a size-1 mesh dim; IMPOSSIBLE)."""
-    a, b, dim = step.src, step.dst, step.mesh_dim
+def _step_collective(dim: int, a: object, b: object, n: int, local_bytes: int):
+    """The collective one step on mesh ``dim`` from code ``a`` to ``b`` runs (None: a local op
+    or a size-1 mesh dim; IMPOSSIBLE)."""
     if n == 1:  # DTensor skips every step on a size-1 mesh dim, before looking at the placements
         return None
-    if type(b) is Partial:
-        if type(a) is Replicate:
+    if _is_partial(b):
+        if a == _REPLICATE:
             return None
         return IMPOSSIBLE  # Shard -> Partial, or one reduction into another
-    if type(b) is Replicate:
-        if type(a) is Partial:
+    if b == _REPLICATE:
+        if _is_partial(a):
             return CollectiveUse(CollectiveKind.ALL_REDUCE, dim, local_bytes)
         return CollectiveUse(CollectiveKind.ALL_GATHER, dim, local_bytes * n)
     # target is Shard
-    if type(a) is Partial:
+    if _is_partial(a):
         return CollectiveUse(CollectiveKind.REDUCE_SCATTER, dim, local_bytes)
-    if type(a) is Replicate:
+    if a == _REPLICATE:
         return None
     return CollectiveUse(CollectiveKind.ALL_TO_ALL, dim, local_bytes)
