@@ -165,7 +165,6 @@ def _local_shape(codes: tuple, global_shape: tuple[int, ...],
     return tuple(shape)
 
 
-@functools.lru_cache(maxsize=1 << 20)
 def reshard_path(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
                  topology: MeshTopology) -> tuple[tuple[Placements, ...], ReshardCost]:
     """The cheapest way to redistribute from ``src`` to ``dst``: the placements it passes

@@ -10,11 +10,13 @@ which is also how the report's collectives and memory are computed.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from torch import fx
@@ -90,6 +92,24 @@ def default_budget(mesh: Mesh) -> float:
 _COSTS = "costs"
 
 
+@contextlib.contextmanager
+def _heap_frozen() -> Iterator[None]:
+    """Run the block with the objects alive at its start (the traced graph and its fake tensors,
+    torch's own) out of the cyclic garbage collector's sight (``gc.freeze``), handed back after
+    it. The planner makes millions of small objects, and each full collection they set off
+    walked the whole heap again: on llama3-8b, 2 layers over 8x8, the ILP build 1.29 -> 0.84-0.92
+    s. Inside an enclosing such block (``plan_with_baselines`` calls ``make_plan``): as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@_heap_frozen()
 def make_plan(
     traced: Traced,
     mesh: Mesh,
@@ -344,6 +364,7 @@ def _strategies(traced: Traced, mesh: Mesh, spec: BaselineSpec | None, constrain
     return clus, ns
 
 
+@_heap_frozen()
 def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] = BASELINES,
                         on_phase: Callable[[str], None] | None = None, step_options: dict | None = None,
                         **options) -> tuple[Plan, dict[str, Plan | None]]:

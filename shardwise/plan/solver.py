@@ -162,6 +162,7 @@ class Model:
     # ``restrict_flows``'s: (moves, each move's arcs, sources' x, destinations' x, every arc).
     _completion: _Completion | None = field(default=None, repr=False)
     _flow_moves: tuple | None = field(default=None, repr=False)
+    _arrays: _Arrays | None = field(default=None, repr=False)
 
     def var(self, cost: float, ub: float = 1.0, integer: bool = True, lb: float = 0.0) -> int:
         self.cost.append(cost)
@@ -190,7 +191,20 @@ class Model:
 
     def entry_rows(self) -> np.ndarray:
         """The row of each entry of ``index`` and ``value``."""
-        return np.repeat(np.arange(len(self.row_lb)), np.diff(np.array(self.starts + [len(self.index)])))
+        return self.arrays().entry_rows
+
+    def arrays(self) -> _Arrays:
+        """The columns and entries as numpy arrays, made on the first call after the model
+        last grew (the solver reads them many times; the builder only writes the lists)."""
+        a = self._arrays
+        if a is None or len(a.cost) != len(self.cost) or len(a.index) != len(self.index):
+            starts = np.array(self.starts + [len(self.index)], dtype=np.int64)
+            a = self._arrays = _Arrays(
+                np.array(self.cost, dtype=np.float64), np.array(self.lb, dtype=np.float64),
+                np.array(self.ub, dtype=np.float64), np.array(self.integer, dtype=bool), starts,
+                np.array(self.index, dtype=np.int64), np.array(self.value, dtype=np.float64),
+                np.repeat(np.arange(len(self.row_lb)), np.diff(starts)))
+        return a
 
     def at_least(self, t: int, rows: list[dict[int, float]]) -> None:
         """t >= sum(terms) for each of ``rows``: rows of the model, and ``t_rows`` (a start point
@@ -198,6 +212,23 @@ class Model:
         self.t_rows[t] = rows
         for terms in rows:
             self.row(-math.inf, 0.0, {**terms, t: -1.0})
+
+
+@dataclass
+class _Arrays:
+    """``Model``'s lists as numpy arrays (``Model.arrays``); read only."""
+
+    cost: np.ndarray
+    lb: np.ndarray
+    ub: np.ndarray
+    integer: np.ndarray  # bool
+    starts: np.ndarray  # each row's first entry, and the number of entries last
+    index: np.ndarray
+    value: np.ndarray
+    entry_rows: np.ndarray  # the row of each entry
+    # ``_integer_groups`` and ``_bound_ub``, found on their first call.
+    groups: list[tuple[np.ndarray, int]] | None = None
+    bound_ub: np.ndarray | None = None
 
 
 @dataclass
@@ -278,20 +309,20 @@ def _until(h: highspy.Highs, deadline: float) -> None:
 
 
 def _highs_lp(m: Model, unit: float) -> highspy.HighsLp:
+    a = m.arrays()
     lp = highspy.HighsLp()
-    lp.num_col_ = len(m.cost)
+    lp.num_col_ = len(a.cost)
     lp.num_row_ = len(m.row_lb)
-    lp.col_cost_ = np.array(m.cost, dtype=np.float64) / unit
-    lp.col_lower_ = np.array(m.lb, dtype=np.float64)
-    lp.col_upper_ = np.array(m.ub, dtype=np.float64)
+    lp.col_cost_ = a.cost / unit
+    lp.col_lower_ = a.lb
+    lp.col_upper_ = a.ub
     lp.row_lower_ = np.array(m.row_lb, dtype=np.float64)
     lp.row_upper_ = np.array(m.row_ub, dtype=np.float64)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.array(m.starts + [len(m.index)], dtype=np.int32)
-    lp.a_matrix_.index_ = np.array(m.index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.array(m.value, dtype=np.float64)
-    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                       for i in m.integer]
+    lp.a_matrix_.start_ = a.starts.astype(np.int32)
+    lp.a_matrix_.index_ = a.index.astype(np.int32)
+    lp.a_matrix_.value_ = a.value
+    lp.integrality_ = np.where(a.integer, highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous)
     return lp
 
 
@@ -533,8 +564,9 @@ def round_lp(m: Model, primal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     and completed into a point of ``m`` (it may still break the memory row), and the column
     upper bounds of the neighbourhood MIP: the one-hot groups the LP decides (>= RINS_FIX)
     fixed at their choice."""
-    ub = np.array(m.ub, dtype=np.float64)
-    rounded = np.where(np.array(m.integer, dtype=bool), 0.0, np.asarray(m.lb, dtype=np.float64))
+    a = m.arrays()
+    ub = a.ub
+    rounded = np.where(a.integer, 0.0, a.lb)
     rins_ub = ub.copy()
     for cols, total in _integer_groups(m):
         rounded[cols] = round_group(primal[cols], total, ub[cols])
@@ -571,31 +603,37 @@ def complete(m: Model, val: np.ndarray) -> np.ndarray:
 def violated_rows(m: Model, val: np.ndarray, rows: list[int] | None = None) -> int:
     """How many rows ``val`` breaks (beyond HiGHS's feasibility tolerance), of ``rows`` (all by
     default)."""
-    if rows is not None:
-        bounds = m.starts + [len(m.index)]
-        activity = np.array([sum(m.value[k] * val[m.index[k]] for k in range(bounds[r], bounds[r + 1]))
-                             for r in rows])
-        lo, hi = np.array(m.row_lb)[rows], np.array(m.row_ub)[rows]
-    else:
-        entry_rows = m.entry_rows()
-        activity = np.bincount(entry_rows, weights=np.array(m.value) * val[np.array(m.index, dtype=np.int64)],
-                               minlength=len(m.row_lb))
-        lo, hi = np.array(m.row_lb), np.array(m.row_ub)
-    return int(((activity < lo - FEASIBILITY_TOL) | (activity > hi + FEASIBILITY_TOL)).sum())
+    a = m.arrays()
+    activity = np.bincount(a.entry_rows, weights=a.value * val[a.index], minlength=len(m.row_lb))
+    lo, hi = np.array(m.row_lb), np.array(m.row_ub)
+    broken = (activity < lo - FEASIBILITY_TOL) | (activity > hi + FEASIBILITY_TOL)
+    return int(broken.sum() if rows is None else broken[rows].sum())
+
+
+def _bound_ub(m: Model) -> np.ndarray:
+    """The column upper bounds, each move or block variable's the largest value its rows can
+    force (the Lagrangian bound of ``LpRun.result`` reads them)."""
+    a = m.arrays()
+    if a.bound_ub is None:
+        ub = a.bound_ub = a.ub.copy()
+        for t, rows in m.t_rows.items():  # in the order added: after the columns they read
+            ub[t] = min(ub[t], max(sum(max(0.0, c) * ub[e] for e, c in terms.items()) for terms in rows))
+    return a.bound_ub
 
 
 def _integer_groups(m: Model) -> list[tuple[np.ndarray, int]]:
     """The columns and the total of each row sum_j n_j = K over integer columns with
     coefficients 1 and a whole K: the one-hot rows sum_s x[r,s] = 1, and the activation
     checkpointing counts n[g,none] + n[g,selective] + n[g,full] = L_g (``checkpointing.py``)."""
-    groups = []
-    bounds = m.starts + [len(m.index)]
-    for r, (lo, hi) in enumerate(zip(m.row_lb, m.row_ub, strict=True)):
-        if lo == hi and lo >= 1.0 and float(lo).is_integer():
-            cols = m.index[bounds[r]:bounds[r + 1]]
-            if all(m.integer[c] for c in cols) and all(v == 1.0 for v in m.value[bounds[r]:bounds[r + 1]]):
-                groups.append((np.array(cols, dtype=np.int64), int(lo)))
-    return groups
+    a = m.arrays()
+    if a.groups is None:
+        a.groups = []
+        for r, (lo, hi) in enumerate(zip(m.row_lb, m.row_ub, strict=True)):
+            if lo == hi and lo >= 1.0 and float(lo).is_integer():
+                cols = a.index[a.starts[r]:a.starts[r + 1]]
+                if a.integer[cols].all() and (a.value[a.starts[r]:a.starts[r + 1]] == 1.0).all():
+                    a.groups.append((cols, int(lo)))
+    return a.groups
 
 
 def round_group(values: np.ndarray, total: int, upper: np.ndarray) -> np.ndarray:
@@ -735,6 +773,11 @@ class LpRun:
 
     def result(self) -> _LpBound | None:
         """Waits for the LP; its bound, or None where it did not finish in time."""
+        # What does not depend on the LP, made while it runs (``solve_by_lp_bound`` reads them).
+        _bound_ub(self.m)
+        _integer_groups(self.m)
+        if self.m._completion is None:
+            self.m._completion = _completion(self.m)
         if self._thread is not None:
             self._thread.join()
         if self._error is not None:
@@ -757,13 +800,11 @@ class LpRun:
         lo, hi = np.array(m.row_lb, dtype=np.float64), np.array(m.row_ub, dtype=np.float64)
         y[(y > 0.0) & ~np.isfinite(lo)] = 0.0
         y[(y < 0.0) & ~np.isfinite(hi)] = 0.0
-        row_of = m.entry_rows()
-        index, value = np.array(m.index, dtype=np.int64), np.array(m.value)
-        cost = np.asarray(m.cost, dtype=np.float64) / self.unit
+        a = m.arrays()
+        row_of, index, value, lb = a.entry_rows, a.index, a.value, a.lb
+        cost = a.cost / self.unit
         reduced = cost - np.bincount(index, weights=value * y[row_of], minlength=len(cost))
-        lb, ub = np.array(m.lb), np.array(m.ub)
-        for t, rows in m.t_rows.items():  # t <= the largest sum its rows can force
-            ub[t] = min(ub[t], max(sum(max(0.0, c) * ub[e] for e, c in terms.items()) for terms in rows))
+        ub = _bound_ub(m)
         rows_part = np.where(y > 0.0, y * np.where(np.isfinite(lo), lo, 0.0),
                              y * np.where(np.isfinite(hi), hi, 0.0))
         cols_part = np.where(reduced >= 0.0, reduced * lb, reduced * ub)
@@ -874,7 +915,7 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     they are not the solution, are its ``alternatives``. ``ahead``: step 1 already started on
     ``m`` (``start_lp_bound``), with its own time limit."""
     deadline = time.perf_counter() + time_limit_s
-    ub = np.array(m.ub, dtype=np.float64)
+    ub = m.arrays().ub.copy()
     if ahead is None:
         ahead = start_lp_bound(m, unit, time_limit_s, rel_gap, background=False)
     elif ahead.m is not m:
@@ -884,8 +925,7 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
         lp = _lp_bound(m, unit, LP_BOUND_SHARE * max(0.0, deadline - time.perf_counter()))
     if lp is None:
         return _mip(m, unit, max(0.0, deadline - time.perf_counter()), start, ub, rel_gap)
-    cost = np.array(m.cost) / unit
-    integer = np.array(m.integer, dtype=bool)
+    cost, integer = m.arrays().cost / unit, m.arrays().integer
     rounded, rins_ub = round_lp(m, lp.primal)
     incumbent, broken = start, violated_rows(m, rounded)
     if not broken and (incumbent is None or float(cost @ rounded) < float(cost @ incumbent)):
