@@ -144,7 +144,10 @@ def normalise(ps: Placements, ndim: int) -> Placements | None:
 def makes_partial(src: Placements, dst: Placements) -> bool:
     """A move that makes some mesh dim ``Partial``: the lowering's local step at its source,
     before any ``redistribute``."""
-    return any(type(b) is Partial and a != b for a, b in zip(src, dst, strict=True))
+    for a, b in zip(src, dst, strict=True):
+        if type(b) is Partial and a != b:
+            return True
+    return False
 
 
 def local_shape(placements: Placements, global_shape: tuple[int, ...],
@@ -165,6 +168,7 @@ def _local_shape(codes: tuple, global_shape: tuple[int, ...],
     return tuple(shape)
 
 
+@functools.lru_cache(maxsize=1 << 20)
 def reshard_path(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
                  topology: MeshTopology) -> tuple[tuple[Placements, ...], ReshardCost]:
     """The cheapest way to redistribute from ``src`` to ``dst``: the placements it passes

@@ -194,7 +194,8 @@ class PlannerCosts:
         # leaves from the source's own node, which no other move passes through (a Shard
         # gathered to Replicate on the way cannot be made Partial): the source's flow enters
         # there, and a free arc takes it on to the shared node of its placement.
-        local = {i for i, j in finite if makes_partial(srcs[i], dsts[j])}
+        to_partial = {(i, j) for i, j in finite if makes_partial(srcs[i], dsts[j])}
+        local = {i for i, _ in to_partial}
         dst_node = [at(q) for q in dsts]
         src_node = [node.setdefault(("source", i), len(node)) if i in local else at(p)
                     for i, p in enumerate(srcs)]
@@ -202,7 +203,7 @@ class PlannerCosts:
         for i, j in finite:
             if src_node[i] == dst_node[j]:
                 continue
-            if makes_partial(srcs[i], dsts[j]):
+            if (i, j) in to_partial:
                 ((_, _, t),) = self._hops(srcs[i], dsts[j], val)
                 paths[(int(i), int(j))] = [hop(src_node[i], dst_node[j], t)]
                 continue

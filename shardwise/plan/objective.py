@@ -217,6 +217,7 @@ class ScheduleObjective:
         gm = self.traced.gm
         self.region = regions(self.traced) or {n: HEAD for n in gm.graph.nodes}
         self.param_nodes = {self.traced.node(ph) for ph in self.traced.params.values()}
+        self._param_of: dict[fx.Node, bool] = {}  # ``_is_param``'s answers (asked ~30k times)
         layers = [r for r in self.region.values() if 0 <= r < TAIL]
         self.last_layer = max(layers) if layers else None
         train = self.traced.train and self.options.ac is not ACPolicy.NONE
@@ -266,9 +267,13 @@ class ScheduleObjective:
         return self._is_param(u) and keeps_gathered(self.region.get(u, HEAD), self.last_layer)
 
     def _is_param(self, u: fx.Node) -> bool:
-        while u.op == "call_function" and is_view(u) and u.all_input_nodes:
-            u = u.all_input_nodes[0]
-        return u in self.param_nodes
+        hit = self._param_of.get(u)
+        if hit is None:
+            base = u
+            while base.op == "call_function" and is_view(base) and base.all_input_nodes:
+                base = base.all_input_nodes[0]
+            hit = self._param_of[u] = base in self.param_nodes
+        return hit
 
     def charge(self, col: int, seconds: float, tag: fx.Node | Sequence[EdgeKey],
                shares: Sequence[float] | None = None, kept: bool = False) -> None:
