@@ -67,6 +67,11 @@ layers 43.428 (22.1 s), 32 layers 498.423 (32.2 s), gemma 664.555 (21.8 s), gpt2
 pythia 378.988, bloom 205.866; Gemma-2 1687.444 (gap 0.3%, 74.1 s). With ``solver.restrict_flows``
 after (the machine slower by then): Qwen2-7B 1838.967 ms (29.0 s), the others the same plans in
 11.8-37.4 s, Gemma-2 81.9 s.
+Stop 53 (the LP first without the memory row, moves priced on codes, the heap frozen while
+planning): every auto plan <= its best hand plan, no fallback ops, 10.2-27.5 s (Qwen2-7B 18.4 s,
+19.7 s with stop 52's main the same hour), Gemma-2 75.7 s. Qwen2-7B 1844.828 ms against 1838.967:
+the same ILP optimum (1798.249 ms), another of its tied plans, reached from the other interior
+point of the LP without the memory row (with the whole LP forced: 1838.967 again).
 """
 
 from __future__ import annotations

@@ -366,14 +366,26 @@ same LP, one row fewer per group): 29,008 -> 21,116 rows, the interior-point LP 
 s; 2 layers 7.25 s (a run at 7.89 s beside a slower machine), 32 layers 9.55 s, 70B 48.1 s, each
 the same plan, bound and gap.
 
-Stop 53 (the interior-point LP first without the memory row and the columns and rows only it
-reads, ``solver.MemoryPart``; the whole LP only where that LP's point breaks the row). The LP
-alone on 2 layers 4.41 -> 3.11-3.45 s, the same bound (53,807.3 us); stop 52's main (21337c9) and
-this, alternating, ``--cases llama3-8b:2 --modes warm --gap 0.01``: 8.59 and 7.78 s -> 7.76, 7.34
-and 6.88 s (the solve after the hand plans 2.86-2.87 -> 1.89-2.73 s), the same plan (48.1 ms).
-32 layers 11.35 s in a slow hour (trace 1.19 s), 70B 50.6 s, each the same plan, bound and gap.
-Where the row binds, the second LP costs: ``benchmarks/ac_plan.py --rows 8b-8,8b-64`` planned
-12.5, 4.5, 39.0 and 46.5 s before and 12.7, 4.9, 42.0 and 43.5 s after, the same plans.
+Stop 53. (1) The interior-point LP first without the memory row and the columns and rows only it
+reads (``solver.MemoryPart``; the whole LP only where that LP's point breaks the row): the LP alone
+on 2 layers 4.41 -> 3.11-3.45 s, the same bound (53,807.3 us). (2) Moves priced on placement codes
+(ints and reduce-op names) instead of placement objects (``cost/reshard.py``; the same answers to
+1.08M questions over four meshes and four shapes): the 2-layer build 1.46-1.56 -> 1.27-1.29 s. (3)
+The heap alive when planning starts (the traced graph, its fake tensors, torch's own objects) out
+of the garbage collector's sight while it plans (``planner._heap_frozen``): each full collection
+the planner's millions of small objects set off walked it all again; the build 1.29 -> 0.84-0.92
+s. (4) The model's arrays made once (``solver.Model.arrays``), and what the LP's bound and its
+rounding read but the LP does not set made while the LP runs. Stop 52's main (21337c9) and this,
+alternating in one hour, ``--cases llama3-8b:2 --modes warm --gap 0.01``: 6.84, 6.72, 6.95 s ->
+5.64, 5.22, 5.32 s (the build 1.49-1.53 -> 0.86-0.97 s, the solve after the hand plans 2.27-2.52
+-> 1.32-1.52 s), the same plan (48.1 ms by the schedule), bound and gap; in a quieter hour 4.88,
+5.06, 5.14, 5.15 and 5.28 s. 32 layers 8.47 s (9.6-11.4 s before), 70B 46.6 s (48-50.6 s), the
+same plans, bounds and gaps (70B: fsdp_tp, 1.6803 s, gap 4.59%). The 2-layer target is not met:
+after the build (0.86 s, tracing and strategies 0.63 s before it) the LP (3.0 s) outlasts the hand
+plans' pricing (2.2 s) and the rounding, the neighbourhood MIP and the pricing of the solve's
+plans take 0.45 s after it. Where the memory row binds, the second LP costs:
+``benchmarks/ac_plan.py --rows 8b-8,8b-64`` planned 12.5, 4.5, 39.0 and 46.5 s with stop 52's
+main and 12.7, 4.9, 42.0 and 43.5 s with (1) alone, the same plans.
 """
 
 from __future__ import annotations
