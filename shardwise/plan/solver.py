@@ -197,7 +197,8 @@ class Model:
         """The columns and entries as numpy arrays, made on the first call after the model
         last grew (the solver reads them many times; the builder only writes the lists)."""
         a = self._arrays
-        if a is None or len(a.cost) != len(self.cost) or len(a.index) != len(self.index):
+        if a is None or (len(a.cost), len(a.starts), len(a.index)) != (len(self.cost), len(self.starts) + 1,
+                                                                        len(self.index)):
             starts = np.array(self.starts + [len(self.index)], dtype=np.int64)
             a = self._arrays = _Arrays(
                 np.array(self.cost, dtype=np.float64), np.array(self.lb, dtype=np.float64),
@@ -850,9 +851,15 @@ class LpRun:
         m, part = self.m, self.m.memory_part
         status = self.h.getModelStatus()
         point = self._point() if status in _SOLVED and self.h.getSolution().value_valid else None
-        rows = [*part.rows, *([m.memory_row] if m.memory_row is not None else [])]
-        if point is not None and not violated_rows(m, point, rows):
-            return
+        if point is not None:
+            # The part's rows, the memory row, and any other row that reads a part column not
+            # 0 at the point (the LP saw that row without it).
+            a = m.arrays()
+            read = (a.index >= part.cols.start) & (a.index < part.cols.stop) & (point[a.index] != 0.0)
+            rows = sorted({*part.rows, *a.entry_rows[read].tolist(),
+                           *([m.memory_row] if m.memory_row is not None else [])})
+            if not violated_rows(m, point, rows):
+                return
         log.debug("the LP without the memory row broke it: the whole LP")
         self.memory = True
         whole = LpRun(m, self.unit, max(0.0, self.deadline - time.perf_counter()), self.tolerance,
