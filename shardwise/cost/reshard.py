@@ -128,17 +128,10 @@ def _code_steps(src: tuple, dst: tuple, mesh_shape: tuple[int, ...]) -> list[tup
 
 
 def normalise(ps: Placements, ndim: int) -> Placements | None:
-    out = []
-    for p in ps:
-        if type(p) is Shard:
-            if not -ndim <= p.dim < ndim:
-                return None
-            out.append(Shard(p.dim % ndim))
-        elif type(p) in (Replicate, Partial):
-            out.append(p)
-        else:  # _StridedShard and other placements: not priced
-            return None
-    return tuple(out)
+    """``ps`` with every Shard dim non-negative; None where a dim is out of range or a
+    placement is not priced (``_normal_codes``)."""
+    codes = _normal_codes(ps, ndim)
+    return None if codes is None else _placements(codes)
 
 
 def makes_partial(src: Placements, dst: Placements) -> bool:
@@ -259,7 +252,8 @@ def _codes(ps: Placements) -> tuple:
 
 
 def _normal_codes(ps: Placements, ndim: int) -> tuple | None:
-    """The codes of ``normalise(ps, ndim)``; None where it is None."""
+    """The codes of ``ps`` with every Shard dim taken modulo ``ndim``; None where a dim is out
+    of range or a placement is not priced."""
     out = []
     for p in ps:
         kind = type(p)

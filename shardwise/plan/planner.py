@@ -100,7 +100,7 @@ def _heap_frozen() -> Iterator[None]:
     walked the whole heap again: on llama3-8b, 2 layers over 8x8, the ILP build 1.29 -> 0.84-0.92
     s. Inside an enclosing such block (``plan_with_baselines`` calls ``make_plan``): as it is.
     The blocks are counted here, not by ``gc.get_freeze_count``, which walks the frozen heap
-    (34 ms a call on llama3-70b)."""
+    (34 ms a call on llama3-70b, under cProfile)."""
     global _frozen_blocks
     if not _frozen_blocks:
         gc.freeze()

@@ -530,6 +530,13 @@ class _Completion:
 
 
 def _completion(m: Model) -> _Completion:
+    """``m``'s ``_Completion``, built on the first call (the model is final by then)."""
+    if m._completion is None:
+        m._completion = _build_completion(m)
+    return m._completion
+
+
+def _build_completion(m: Model) -> _Completion:
     entries = [(col, *ends) for col, ends in m.ends.items()]
     entries += [(col, srcs, dsts) for flow in m.flows for cols, srcs, dsts in flow.moves for col in cols]
     edge_cols = np.fromiter((e[0] for e in entries), dtype=np.int64, count=len(entries))
@@ -585,9 +592,7 @@ def complete(m: Model, val: np.ndarray) -> np.ndarray:
     val = val.copy()
     if m.fill is not None:
         m.fill(val)
-    if m._completion is None:
-        m._completion = _completion(m)
-    c = m._completion
+    c = _completion(m)
     n = len(c.edge_cols)
     src = np.bincount(c.src_of, weights=val[c.src_cols], minlength=n)
     dst = np.bincount(c.dst_of, weights=val[c.dst_cols], minlength=n)
@@ -777,8 +782,7 @@ class LpRun:
         # What does not depend on the LP, made while it runs (``solve_by_lp_bound`` reads them).
         _bound_ub(self.m)
         _integer_groups(self.m)
-        if self.m._completion is None:
-            self.m._completion = _completion(self.m)
+        _completion(self.m)
         if self._thread is not None:
             self._thread.join()
         if self._error is not None:
