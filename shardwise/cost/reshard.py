@@ -48,9 +48,10 @@ import functools
 import heapq
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -169,10 +170,7 @@ def reshard_path(src: Placements, dst: Placements, global_shape: tuple[int, ...]
     DTensor's own plan in one ``redistribute`` unless a shortest path of hops that each change
     one mesh dim (``hop_tree``) is cheaper. A dim made ``Partial`` is the lowering's local step
     (before any ``redistribute``): such a move is DTensor's one plan."""
-    mesh = topology.mesh_shape
-    if len(src) != len(mesh) or len(dst) != len(mesh):
-        raise ValueError(f"placements {src} -> {dst} do not match the {len(mesh)}-dim mesh {mesh}")
-    s, d = _normal_codes(src, len(global_shape)), _normal_codes(dst, len(global_shape))
+    s, d = _mesh_codes(src, global_shape, topology), _mesh_codes(dst, global_shape, topology)
     if s is None or d is None:
         return (tuple(dst),), IMPOSSIBLE
     hops, cost = _code_path(s, d, tuple(global_shape), itemsize, topology)
@@ -270,6 +268,14 @@ def _normal_codes(ps: Placements, ndim: int) -> tuple | None:
     return tuple(out)
 
 
+def _mesh_codes(ps: Placements, global_shape: tuple[int, ...], topology: MeshTopology) -> tuple | None:
+    """``_normal_codes`` of one placement per mesh dim; ValueError where ``ps`` has another count."""
+    mesh = topology.mesh_shape
+    if len(ps) != len(mesh):
+        raise ValueError(f"placements {ps} do not match the {len(mesh)}-dim mesh {mesh}")
+    return _normal_codes(ps, len(global_shape))
+
+
 def _is_partial(c: object) -> bool:
     return type(c) is str
 
@@ -287,19 +293,39 @@ def _placements(codes: tuple) -> Placements:
     return tuple(_placement(c) for c in codes)
 
 
+def move_times(srcs: Sequence[Placements], dsts: Sequence[Placements], global_shape: tuple[int, ...],
+               itemsize: int, topology: MeshTopology) -> np.ndarray:
+    """``reshard_cost``'s time of every move from one of ``srcs`` to one of ``dsts`` (inf where
+    there is none, 0 from a placement to itself), as a (srcs, dsts) matrix: each placement's
+    codes made once, not once per pair."""
+    shape = tuple(global_shape)
+    s_codes = [_mesh_codes(p, shape, topology) for p in srcs]
+    d_codes = [_mesh_codes(q, shape, topology) for q in dsts]
+    times = np.full((len(srcs), len(dsts)), math.inf)
+    for i, s in enumerate(s_codes):
+        for j, d in enumerate(d_codes):
+            if srcs[i] is dsts[j]:
+                times[i, j] = 0.0
+            elif s is not None and d is not None:
+                times[i, j] = _code_path(s, d, shape, itemsize, topology)[1].time_s
+    return times
+
+
 def move_hops(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,
               topology: MeshTopology) -> list[tuple[Placements, Placements, float]]:
     """The move ``reshard_path`` takes, hop by hop: (from, to, seconds), ``src`` and ``dst`` as
     given, the placements between them normalised. ValueError where there is no move."""
-    hops, cost = reshard_path(src, dst, global_shape, itemsize, topology)
+    shape = tuple(global_shape)
+    s, d = _mesh_codes(src, shape, topology), _mesh_codes(dst, shape, topology)
+    hops, cost = (None, IMPOSSIBLE) if s is None or d is None else _code_path(s, d, shape, itemsize, topology)
     if not cost.possible:
         raise ValueError(f"no move from {src} to {dst}")
-    chain = (tuple(src), *hops[:-1], tuple(dst))
-    if len(chain) == 2:
-        return [(chain[0], chain[1], cost.time_s)]
-    norm = [_normal_codes(p, len(global_shape)) for p in chain]
-    return [(a, b, _dtensor_cost(na, nb, tuple(global_shape), itemsize, topology).time_s)
-            for a, b, na, nb in zip(chain, chain[1:], norm, norm[1:], strict=False)]
+    if hops is None or len(hops) == 1:
+        return [(tuple(src), tuple(dst), cost.time_s)]
+    codes = (s, *hops)
+    chain = (tuple(src), *(_placements(c) for c in hops[:-1]), tuple(dst))
+    return [(a, b, _dtensor_cost(na, nb, shape, itemsize, topology).time_s)
+            for a, b, na, nb in zip(chain, chain[1:], codes, codes[1:], strict=False)]
 
 
 def reshard_cost(src: Placements, dst: Placements, global_shape: tuple[int, ...], itemsize: int,

@@ -26,6 +26,9 @@ from shardwise.cost.reshard import (
     reshard_cost,
     reshard_path,
 )
+from shardwise.cost.reshard import (
+    move_times as reshard_move_times,
+)
 from shardwise.cost.topology import MeshTopology
 from shardwise.ir.flops import NodeCost, is_view, node_cost
 from shardwise.plan.placement import Placements
@@ -131,8 +134,7 @@ class PlannerCosts:
         key = (tuple(map(id, srcs)), tuple(map(id, dsts)), val.shape, val.dtype)
         hit = self._matrix_cache.get(key)
         if hit is None:
-            times = np.array([[0.0 if p is q else self.reshard(p, q, val).time_s for q in dsts]
-                              for p in srcs], dtype=np.float64).reshape(len(srcs), len(dsts))
+            times = reshard_move_times(srcs, dsts, tuple(val.shape), val.element_size(), self.topology)
             hit = self._matrix_cache[key] = (srcs, dsts, times)  # srcs/dsts keep their ids theirs
         return hit[2]
 

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard, placement_types
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardwise.cost.reshard import local_shape, plan_steps, reshard_cost, reshard_path
+from shardwise.cost.reshard import local_shape, move_hops, move_times, plan_steps, reshard_cost, reshard_path
 from shardwise.cost.topology import MeshTopology
 from shardwise.ir.match import CollectiveKind as K
 from shardwise.ir.match import all_collectives
@@ -164,6 +164,28 @@ def test_a_gradient_partial_over_both_dims_is_reduced_over_the_fast_dim_first():
     assert reshard_path((R, S0), (R, R), shape, 2, topo)[0] == ((R, R),)
     # a dim made Partial is the lowering's local step, never a hop
     assert reshard_path((S0, R), (R, P), shape, 2, topo)[0] == ((R, P),)
+
+
+@pytest.mark.parametrize("mesh_shape, shape", [((8, 8), (16, 64, 32)), ((2, 4), (8, 6)), ((2, 2, 2), (8, 8))])
+def test_the_time_matrix_and_the_hops_are_reshard_paths(mesh_shape, shape):
+    """``move_times`` (one matrix of moves) and ``move_hops`` (one move, hop by hop) answer as
+    ``reshard_path`` does for every pair, impossible moves and negative Shard dims too."""
+    topo = MeshTopology(mesh_shape, "h100")
+    kinds = [R, P, Partial("max"), S0, S1, Shard(-1)]
+    places = random.Random(7).sample(list(itertools.product(kinds, repeat=len(mesh_shape))), 24)
+    times = move_times(places, places, shape, 2, topo)
+    for (i, src), (j, dst) in itertools.product(enumerate(places), repeat=2):
+        hops, cost = reshard_path(src, dst, shape, 2, topo)
+        assert times[i, j] == (0.0 if i == j else cost.time_s)
+        if not cost.possible:
+            with pytest.raises(ValueError):
+                move_hops(src, dst, shape, 2, topo)
+            continue
+        got = move_hops(src, dst, shape, 2, topo)
+        assert [b for _, b, _ in got][:-1] == list(hops[:-1]) and got[-1][1] == dst
+        assert math.isclose(sum(t for _, _, t in got), cost.time_s, rel_tol=1e-12)
+    with pytest.raises(ValueError, match="do not match"):
+        move_times([(R,)], places, shape, 2, topo)
 
 
 def test_plan_replicates_misaligned_nested_shards_first():
