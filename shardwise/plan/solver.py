@@ -110,16 +110,23 @@ def restrict_flows(m: Model, ub: np.ndarray) -> None:
     plan within ``ub`` is one of those moves. A transport pair whose end is fixed out is left
     by presolve; a flow's other paths would stay in every LP of the MIP (llama3-70b over 8x8:
     the neighbourhood MIP 7.9 s with transport pairs, 16.4 s with flows, 6.8-9.4 s restricted)."""
-    if m._flow_moves is None:
-        moves = [move for flow in m.flows for move in flow.moves]
-        arcs = np.concatenate([flow.arcs for flow in m.flows]) if m.flows else np.zeros(0, dtype=np.int64)
-        m._flow_moves = (len(moves), *(_flat([move[side] for move in moves]) for side in range(3)), arcs)
-    n, (arc_cols, arc_of), (src_cols, src_of), (dst_cols, dst_of), arcs = m._flow_moves
+    n, (arc_cols, arc_of), (src_cols, src_of), (dst_cols, dst_of), arcs = _flow_moves(m)
     open_src = np.bincount(src_of, weights=ub[src_cols] > 0.0, minlength=n) > 0.0
     open_dst = np.bincount(dst_of, weights=ub[dst_cols] > 0.0, minlength=n) > 0.0
     keep = np.zeros(len(ub), dtype=bool)
     keep[arc_cols[(open_src & open_dst)[arc_of]]] = True
     ub[arcs[~keep[arcs]]] = 0.0
+
+
+def _flow_moves(m: Model) -> tuple:
+    """``m``'s flow moves as flat arrays (``restrict_flows``), built on the first call: their
+    count, their arcs', sources' and destinations' columns each with the move they belong to,
+    and every arc column."""
+    if m._flow_moves is None:
+        moves = [move for flow in m.flows for move in flow.moves]
+        arcs = np.concatenate([flow.arcs for flow in m.flows]) if m.flows else np.zeros(0, dtype=np.int64)
+        m._flow_moves = (len(moves), *(_flat([move[side] for move in moves]) for side in range(3)), arcs)
+    return m._flow_moves
 
 
 @dataclass
@@ -783,6 +790,7 @@ class LpRun:
         _bound_ub(self.m)
         _integer_groups(self.m)
         _completion(self.m)
+        _flow_moves(self.m)
         if self._thread is not None:
             self._thread.join()
         if self._error is not None:
