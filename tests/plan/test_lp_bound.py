@@ -84,7 +84,7 @@ def test_a_loose_gap_stops_within_it(tiny, tolerances):
     problem, mesh = tiny
     whole = _solve(problem, default_budget(mesh), pricing=False)
     early = _solve(problem, default_budget(mesh), rel_gap=LOOSE_GAP)
-    assert tolerances == [solver.LOOSE_IPM_TOLERANCE]  # a loose gap: a loose interior point
+    assert tolerances == [LOOSE_GAP / 10]  # a loose gap: a loose interior point
     assert early.objective_s >= whole.objective_s * (1 - REL)
     assert early.bound_s <= whole.objective_s * (1 + REL)
     assert early.objective_s - early.bound_s <= LOOSE_GAP * early.objective_s
@@ -100,7 +100,7 @@ def test_an_lp_that_fails_is_run_again_only_if_it_was_the_loose_one(tiny, tolera
     problem, mesh = tiny
     monkeypatch.setattr(solver.LpRun, "result", lambda self: None)  # every LP ends without a bound
     loose = _solve(problem, default_budget(mesh), rel_gap=LOOSE_GAP)
-    assert tolerances == [solver.LOOSE_IPM_TOLERANCE, None]
+    assert tolerances == [LOOSE_GAP / 10, None]
     tolerances.clear()
     exact = _solve(problem, default_budget(mesh))
     assert tolerances == [None]
@@ -113,7 +113,7 @@ def test_the_lp_bound_holds_for_any_duals():
     m = solver.Model()
     a, b = m.var(1.0), m.var(2.0)
     m.row(1.0, 1.0, {a: 1.0, b: 1.0})
-    for tolerance in (None, solver.LOOSE_IPM_TOLERANCE):
+    for tolerance in (None, solver.loose_ipm_tolerance(0.01)):
         got = solver._lp_bound(m, 1.0, TIME_LIMIT_S, tolerance)
         assert got is not None and got.bound <= 1.0 + 1e-9 and got.bound == pytest.approx(1.0, abs=1e-4)
     done = solver.solve_by_lp_bound(m, 1.0, TIME_LIMIT_S, None)
