@@ -87,7 +87,7 @@ pricings by the schedule (60 s). What changed:
   (it broke the counts' row before); ``solver.complete`` is vectorised (0.2 s -> 1 ms).
 
 Then (``--modes warm --gap 0.01``, a quiet 2-core machine): the interior point to 1e-5 where a
-gap of at least 0.1% is asked (then a constant; now ``solver.loose_ipm_tolerance``; ``shardwise plan --gap``) and
+gap of at least 0.1% is asked (now ``solver.loose_ipm_tolerance``; ``shardwise plan --gap``) and
 ``tensor_args`` without pytree, and one ``PlannerCosts`` (its caches) for all of a
 ``plan_with_baselines``' plans: 2 layers 17.4 -> 14.4 s, 32 layers 21.3 -> 18.4 s, the same plans
 and gaps (0.83%, 0.38%); 5.5 s of the 32 layers' are the hand plans and the budget fit.

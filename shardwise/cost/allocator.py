@@ -125,22 +125,23 @@ class CachingAllocator:
     def _key(self, b: _Block) -> tuple[int, int, int]:
         return (b.size, b.segment.index, b.offset)
 
+    # A free list's entries are (size, segment index, offset, block): no two free blocks share
+    # the first three, so plain tuple order never compares blocks, and a key of those three
+    # sorts before its own entry.
     def _insert_free(self, b: _Block) -> None:
         lst = self._free.setdefault((b.segment.stream, b.segment.small), [])
-        k = self._key(b)
-        bisect.insort(lst, (*k, b), key=lambda e: e[:3])
+        bisect.insort(lst, (*self._key(b), b))
 
     def _remove_free(self, b: _Block) -> None:
         lst = self._free[(b.segment.stream, b.segment.small)]
-        k = self._key(b)
-        i = bisect.bisect_left(lst, k, key=lambda e: e[:3])
+        i = bisect.bisect_left(lst, self._key(b))
         assert lst[i][3] is b
         del lst[i]
 
     def _best_fit(self, size: int, stream: str, small: bool) -> _Block | None:
         """``get_free_block``: the smallest cached block of this stream and pool that fits."""
         lst = self._free.get((stream, small), [])
-        i = bisect.bisect_left(lst, (size, -1, -1), key=lambda e: e[:3])
+        i = bisect.bisect_left(lst, (size, -1, -1))
         return lst[i][3] if i < len(lst) else None
 
     # ---- malloc / free -------------------------------------------------------------------
@@ -281,15 +282,13 @@ def replay(requests: list[Request], allocator: CachingAllocator) -> AllocatorSta
     order, then the frees of what was last read there) through ``allocator``."""
     if not requests:
         return allocator.stats
-    end = max(r.last for r in requests)
-    start = min(r.born for r in requests)
     born: dict[int, list[int]] = {}
     dies: dict[int, list[int]] = {}
     for k, r in enumerate(requests):
         born.setdefault(r.born, []).append(k)
         dies.setdefault(max(r.last, r.born), []).append(k)
     live: dict[int, _Block] = {}
-    for pos in range(start, end + 1):
+    for pos in sorted(born.keys() | dies.keys()):  # the positions where something happens
         for k in born.get(pos, ()):
             live[k] = allocator.malloc(requests[k].size, requests[k].stream)
         for k in dies.get(pos, ()):

@@ -280,12 +280,16 @@ class _Item:
 
 
 class _Scheduler:
-    def __init__(self, traced: Traced, plan: Plan, topo: MeshTopology, opts: StepOptions) -> None:
+    def __init__(self, traced: Traced, plan: Plan, topo: MeshTopology, opts: StepOptions,
+                 costs: PlannerCosts | None = None) -> None:
         self.traced, self.plan, self.topo, self.opts = traced, plan, topo, opts
         self.hw = topo.hw
         self.mesh_shape = tuple(plan.mesh_shape)
         self.names = tuple(plan.mesh_names)
-        self.costs = PlannerCosts(self.mesh_shape, self.hw)
+        self.costs = costs if costs is not None else PlannerCosts(self.mesh_shape, self.hw)
+        if self.costs.mesh_shape != self.mesh_shape or self.costs.hw != self.hw:
+            raise ValueError(f"costs for mesh {self.costs.mesh_shape} on {self.costs.hw.name} cannot price "
+                             f"a plan for mesh {self.mesh_shape} on {self.hw.name}")
         self.region = regions(traced) or {n: HEAD for n in traced.gm.graph.nodes}
         # a dict, not a set: graph order, so the allocator replay allocates them in a fixed order
         self.param_nodes = dict.fromkeys(traced.node(ph) for ph in traced.params.values())
@@ -920,7 +924,8 @@ class _Scheduler:
 
 
 def schedule_step(traced: Traced, plan: Plan, topo: MeshTopology,
-                  opts: StepOptions | None = None) -> StepSchedule:
-    """Lay ``plan``'s step out on streams (see the module docstring)."""
-    return _Scheduler(traced, plan, topo, opts or StepOptions()).run()
+                  opts: StepOptions | None = None, costs: PlannerCosts | None = None) -> StepSchedule:
+    """Lay ``plan``'s step out on streams (see the module docstring). ``costs``: the planner's,
+    whose caches already hold most of the kernels and moves asked (by default, new ones)."""
+    return _Scheduler(traced, plan, topo, opts or StepOptions(), costs).run()
 

@@ -32,6 +32,7 @@ from shardwise.ir.flops import graph_flops
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
 from shardwise.passes.remat import ACPolicy, AnyPolicy, LayerPolicies, policy_name, simplify_policy
+from shardwise.plan.costs import PlannerCosts
 from shardwise.plan.plan import Plan
 
 # Mixed precision as torchtitan runs bf16 training (FSDP2 MixedPrecisionPolicy: param_dtype bf16,
@@ -233,13 +234,15 @@ def estimate_step(model: str, mesh: Mesh, plan: str, opts: dict, *, batch: int |
 
 
 def estimate_prepared(prepared: list[tuple[Traced, Plan]], layers: int, tokens: int, mesh: Mesh,
-                      hw: Hardware, opts: dict, memory_budget: float | None = None) -> StepEstimate:
+                      hw: Hardware, opts: dict, memory_budget: float | None = None,
+                      costs: PlannerCosts | None = None) -> StepEstimate:
     """Schedule traced-and-planned steps on ``hw``: one graph of the whole model, or two of
-    ``k`` and ``k + PERIOD`` layers extrapolated to ``layers`` (see the module docstring)."""
+    ``k`` and ``k + PERIOD`` layers extrapolated to ``layers`` (see the module docstring).
+    ``costs``: the planner's (``schedule_step``)."""
     topo = MeshTopology(mesh.shape, hw)
     ests = []
     for traced, p in prepared:
-        sched = schedule_step(traced, p, topo, torchtitan_options(traced, **opts))
+        sched = schedule_step(traced, p, topo, torchtitan_options(traced, **opts), costs)
         ests.append(from_schedule(traced, p, sched, hw, mesh.size, tokens, memory_budget))
         ests[-1].layers = layers
         ests[-1].ac = policy_name(opts.get("ac", ACPolicy.NONE))
@@ -280,13 +283,14 @@ def plan_ac(plan: Plan, given: AnyPolicy | None) -> AnyPolicy:
 
 
 def price_plan(traced: Traced, plan: Plan, mesh: Mesh, opts: dict,
-               memory_budget: float | None = None) -> StepEstimate:
+               memory_budget: float | None = None, costs: PlannerCosts | None = None) -> StepEstimate:
     """The schedule estimate of one traced, planned step: the code path of ``shardwise
     estimate`` (``estimate_prepared``), with ``async_tp`` where the plan uses it. Records the
-    figures and the options in ``plan.info["schedule"]`` (saved with the plan)."""
+    figures and the options in ``plan.info["schedule"]`` (saved with the plan). ``costs``: the
+    planner's (``schedule_step``)."""
     applied = step_options_for(plan, traced, opts)
     est = estimate_prepared([(traced, plan)], len(regions_layers(traced)), tokens_per_step(traced), mesh,
-                            get_hardware(mesh.hardware), applied, memory_budget)
+                            get_hardware(mesh.hardware), applied, memory_budget, costs)
     so = StepOptions(**applied)
     plan.info["schedule"] = {**est.to_json(), "options": {"ac": policy_name(so.ac), "compile": so.compile,
                                                           "async_tp": so.async_tp,

@@ -253,3 +253,21 @@ def test_the_optimizer_tail_clips_the_gradients_it_stores():
     tails = [schedule_step(traced, p, topo, StepOptions(grad_bytes=g)).optimizer_s - topo.hw.launch_s
              for g in (None, 4)]
     assert tails[1] / tails[0] == pytest.approx((28 + 3 * 4) / (28 + 3 * 2))
+
+
+def test_a_plan_priced_with_the_planners_costs_is_priced_the_same():
+    """``schedule_step`` may reuse the planner's ``PlannerCosts`` (its caches warm): the events
+    are those of a schedule with its own; costs for another mesh are refused."""
+    from shardwise.cost.hardware import get_hardware
+    from shardwise.plan.costs import PlannerCosts
+
+    traced, p, topo = _planned("2x2", "dp,tp", "fsdp_tp")
+    own = schedule_step(traced, p, topo, StepOptions())
+    shared = PlannerCosts(topo.mesh_shape, get_hardware(HW))
+    first = schedule_step(traced, p, topo, StepOptions(), shared)
+    again = schedule_step(traced, p, topo, StepOptions(), shared)  # from the warm caches
+    for got in (first, again):
+        assert [(e.name, e.stream, e.start, e.end) for e in got.events] == \
+            [(e.name, e.stream, e.start, e.end) for e in own.events]
+    with pytest.raises(ValueError, match="cannot price"):
+        schedule_step(traced, p, topo, StepOptions(), PlannerCosts((4,), get_hardware(HW)))
