@@ -88,6 +88,7 @@ class _Segment:
     expandable: bool = False
     index: int = 0  # creation order: stands for its address in best-fit ties
     first: _Block | None = None
+    last: _Block | None = None  # kept, not walked to: an expandable segment grows at its end
 
     def blocks(self) -> Iterable[_Block]:
         b = self.first
@@ -160,6 +161,8 @@ class CachingAllocator:
             rest = _Block(block.segment, block.offset + size, block.size - size, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
+            else:
+                block.segment.last = rest
             block.next = rest
             block.size = size
             self._insert_free(rest)
@@ -192,6 +195,8 @@ class CachingAllocator:
             dst.next = src.next
             if src.next is not None:
                 src.next.prev = dst
+            else:
+                dst.segment.last = dst
         dst.size += src.size
 
     def _should_split(self, block: _Block, size: int, small: bool) -> bool:
@@ -212,7 +217,7 @@ class CachingAllocator:
         seg_size = allocation_size(size)
         self._reserve(seg_size, stream)
         seg = _Segment(stream, small, seg_size, index=self._next_index())
-        seg.first = _Block(seg, 0, seg_size)
+        seg.first = seg.last = _Block(seg, 0, seg_size)
         self._segments.append(seg)
         self.stats.segments += 1
         return seg.first
@@ -226,9 +231,7 @@ class CachingAllocator:
             self._expandable[(stream, small)] = seg
             self._segments.append(seg)
             self.stats.segments += 1
-        last = None
-        for b in seg.blocks():
-            last = b
+        last = seg.last
         tail = last if last is not None and not last.allocated else None
         need = size - (tail.size if tail is not None else 0)
         page = EXPANDABLE_SMALL_PAGE if small else EXPANDABLE_LARGE_PAGE
@@ -244,6 +247,7 @@ class CachingAllocator:
                 last.next = block
             else:
                 seg.first = block
+            seg.last = block
         seg.size += mapped
         return block
 

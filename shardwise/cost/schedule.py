@@ -294,6 +294,7 @@ class _Scheduler:
         # a dict, not a set: graph order, so the allocator replay allocates them in a fixed order
         self.param_nodes = dict.fromkeys(traced.node(ph) for ph in traced.params.values())
         self._bases: dict[fx.Node, fx.Node] = {}  # ``_base`` of each node asked (~130k asks on 70B)
+        self._args: dict[fx.Node, list[fx.Node]] = {}  # ``tensor_args`` of each node (~200k asks on 70B)
         self.grad_of = {traced.node(g): traced.node(traced.params[p]) for p, g in traced.grads.items()}
         self.tp = self.names.index(TP) if TP in self.names else None
         layers = [r for r in self.region.values() if 0 <= r < TAIL]
@@ -618,6 +619,12 @@ class _Scheduler:
                 copies[b] = k
         return t
 
+    def _tensor_args(self, node: fx.Node) -> list[fx.Node]:
+        hit = self._args.get(node)
+        if hit is None:
+            hit = self._args[node] = tensor_args(node)
+        return hit
+
     def _issue_gathers(self, reads: list[tuple[fx.Node, Placements, _Item, int]], gate: float,
                        issued_at: int) -> None:
         """A block's parameter gathers, issued at time ``gate`` (item ``issued_at``), each on its
@@ -645,7 +652,7 @@ class _Scheduler:
             spec = self._spec(it.node)
             if spec is None:
                 continue
-            for j, u in enumerate(tensor_args(it.node)):
+            for j, u in enumerate(self._tensor_args(it.node)):
                 if self._is_param(u) and j < len(spec.inputs) and spec.inputs[j] is not None:
                     param_reads[(it.phase, it.region)].append((u, spec.inputs[j], it, k))
         started: set[tuple[Phase, int]] = set()
@@ -671,7 +678,7 @@ class _Scheduler:
             dur = self._node_time(n, it.recompute)
             start = t_c
             if spec is not None:
-                for j, u in enumerate(tensor_args(n)):
+                for j, u in enumerate(self._tensor_args(n)):
                     dst = spec.inputs[j] if j < len(spec.inputs) and spec.inputs[j] is not None else None
                     if dst is None:
                         dst = self._spec(u).output[0] if self._spec(u) is not None else None

@@ -134,3 +134,29 @@ def test_replay_orders_allocations_before_frees_at_each_position():
     a.free(b)
     with pytest.raises(AssertionError, match="double free"):
         a.free(b)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_segments_stay_tiled_through_random_mallocs_and_frees(expandable):
+    """Random mallocs and frees, splitting and merging blocks: each segment's blocks tile it in
+    order, its ``last`` is the block its chain ends at, its free blocks are exactly those on
+    the free lists, and the reserved bytes are the segments' sizes."""
+    import random
+
+    rng = random.Random(1)
+    a = CachingAllocator(expandable_segments=expandable)
+    live = []
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            size = rng.choice([rng.randint(1, 4096), rng.randint(1, 4 * MIB), rng.randint(MIB, 40 * MIB)])
+            live.append(a.malloc(size, rng.choice(["compute", "comm"])))
+        on_lists = {id(e[3]) for lst in a._free.values() for e in lst}
+        for seg in a._segments:
+            blocks = list(seg.blocks())
+            assert seg.last is (blocks[-1] if blocks else None)
+            assert [b.offset for b in blocks] == [sum(b.size for b in blocks[:i]) for i in range(len(blocks))]
+            assert sum(b.size for b in blocks) == seg.size
+            assert {id(b) for b in blocks if not b.allocated} <= on_lists
+        assert a.stats.reserved == sum(seg.size for seg in a._segments)
