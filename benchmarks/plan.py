@@ -386,6 +386,30 @@ plans' pricing (2.2 s) and the rounding, the neighbourhood MIP and the pricing o
 plans take 0.45 s after it. Where the memory row binds, the second LP costs:
 ``benchmarks/ac_plan.py --rows 8b-8,8b-64`` planned 12.5, 4.5, 39.0 and 46.5 s with stop 52's
 main and 12.7, 4.9, 42.0 and 43.5 s with (1) alone, the same plans.
+
+Stop 54. (1) A matrix of move times and a move's hops on placement codes, each placement's codes
+made once (``reshard.move_times``, ``move_hops``; the same answers as ``reshard_path`` on 204,026
+matrix entries and 228,593 hop lists over four meshes): the 2-layer build 0.78-0.82 -> 0.66-0.70 s
+in three runs of each (``prepare_plan`` alone). (2) The objective's ``value`` on arrays made once
+(it prices every start and every plan a solve finds), and the flow moves' arrays made while the
+LP runs: after the LP, 0.47 -> 0.36 s in one timeline each. (3) The loose interior point stops at
+a tenth of the gap asked (``solver.loose_ipm_tolerance``, 1e-3 at --gap 0.01, 1e-5 before): 31
+iterations instead of 34 on 2 layers, the bound 53,807.1 against 53,807.3 us, the same plan. (4)
+The step schedule prices with the planner's ``PlannerCosts`` (its caches warm), keeps each node's
+tensor arguments, and the allocator replay keeps each segment's last block and its free lists in
+plain tuple order: pricing one plan, by its thread's CPU, 32 layers 0.55-0.60 -> 0.42-0.47 s, 70B
+1.7-2.1 -> 1.35-1.65 s. Stop 53's main (ef59185) and this, alternating in one hour: 2 layers 6.44,
+5.21, 5.15 s -> 5.43, 5.22, 5.31 s (no change beyond this machine's noise: the LP, 2.9-3.2 s, is
+the critical path, and the hand plans' pricing beside it is not); 32 layers 9.14, 8.67 -> 8.18,
+7.35 s (the hand plans, its critical path, 5.7, 5.2 -> 4.7, 4.3 s); 70B 46.7, 56.1 -> 47.3, 51.8 s
+(a slow hour; its critical path after the hand plans is the 20-s stall of the MIP), every plan,
+bound and gap the same. The 70B gap is the LP relaxation's: at its point the layer blocks' compute
+equals their hidden communication exactly (246.42 ms forward, 519.92 ms backward over 80 layers)
+because the LP mixes the MLP's strategies 0.887 / 0.113; fixing its first projection to the
+larger lifts the bound 1.69949e6 -> 1.73883e6 (an interior point of 5.0 s), to the smaller
+1.82815e6 (above the plan, 1.78142e6); branching instead on the most fractional groups (parameters)
+moved the bound by 0.07% in 14 LPs (5-6 s each). Within 1% wants a branch-and-bound over such
+choices whose LPs take 5-6 s each: not in 30 s on this machine.
 """
 
 from __future__ import annotations
