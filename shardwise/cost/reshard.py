@@ -320,7 +320,7 @@ def move_hops(src: Placements, dst: Placements, global_shape: tuple[int, ...], i
     hops, cost = (None, IMPOSSIBLE) if s is None or d is None else _code_path(s, d, shape, itemsize, topology)
     if not cost.possible:
         raise ValueError(f"no move from {src} to {dst}")
-    if hops is None or len(hops) == 1:
+    if hops is None:
         return [(tuple(src), tuple(dst), cost.time_s)]
     codes = (s, *hops)
     chain = (tuple(src), *(_placements(c) for c in hops[:-1]), tuple(dst))

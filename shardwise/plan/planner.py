@@ -92,6 +92,18 @@ def default_budget(mesh: Mesh) -> float:
 _COSTS = "costs"
 
 
+def _planner_costs(mesh: Mesh, strategy_cache: dict | None) -> PlannerCosts:
+    """The costs of plans on ``mesh``, kept in ``strategy_cache`` (when given): their caches (per
+    node and placement) hold for every plan of its graph and mesh, and for their pricing by the
+    step schedule."""
+    costs = strategy_cache.get(_COSTS) if strategy_cache is not None else None
+    if costs is None:
+        costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
+        if strategy_cache is not None:
+            strategy_cache[_COSTS] = costs
+    return costs
+
+
 @contextlib.contextmanager
 def _heap_frozen() -> Iterator[None]:
     """Run the block with the objects alive at its start (the traced graph and its fake tensors,
@@ -227,12 +239,7 @@ def prepare_plan(traced: Traced, mesh: Mesh, *, baseline: str | None = None,
         clus, kept = built
         ns = {n: replace(st) for n, st in kept.items()} if strategy_cache is not None else kept
 
-    # The costs' caches (per node and placement) hold for every plan of this graph and mesh.
-    costs = strategy_cache.get(_COSTS) if strategy_cache is not None else None
-    if costs is None:
-        costs = PlannerCosts(mesh.shape, get_hardware(mesh.hardware))
-        if strategy_cache is not None:
-            strategy_cache[_COSTS] = costs
+    costs = _planner_costs(mesh, strategy_cache)
     say("building the placement ILP")
     linearised = checkpointing = None
     if step_options is not None and traced.train:
@@ -397,8 +404,7 @@ def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] 
     cache = options.setdefault("strategy_cache", {})  # the same graph and mesh in every call below
     decide = traced.train and step_options.get("ac") is None
     limit = _schedule_limit(mesh, options.get("memory_budget"))
-    costs = cache.setdefault(_COSTS, PlannerCosts(mesh.shape, get_hardware(mesh.hardware)))
-    price = _Pricer(traced, mesh, step_options, limit, costs)
+    price = _Pricer(traced, mesh, step_options, limit, _planner_costs(mesh, cache))
     # The auto ILP's LP relaxation does not depend on the hand plans (only its start point
     # does): it runs on another core while they are priced.
     prepared = prepare_plan(traced, mesh, constraints=constraints, on_phase=on_phase, **options)
