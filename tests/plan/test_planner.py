@@ -13,7 +13,7 @@ from shardwise.errors import UserError
 from shardwise.ir.trace import Phase, trace_model
 from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
-from shardwise.plan import BASELINES, Constraints, Plan, estimate, make_plan, solver
+from shardwise.plan import BASELINES, Constraints, Plan, estimate, make_plan
 from shardwise.plan.cluster import cluster, regions
 from shardwise.plan.planner import no_plan_reason
 from tests.helpers import BLOOM_TINY
@@ -123,15 +123,13 @@ def test_baselines_fix_what_they_say(tiny2):
     assert make_plan(tiny2, MESH, baseline="fsdp_tp") is None
 
 
-def test_memory_budget_binds(tiny2, monkeypatch):
-    # The tight budget's MIP takes 14-15 s on a quiet 2-core machine (HiGHS finds its plan at
-    # 6 s and proves it at 14 s); beside the rest of the suite twice that, and the stall guard
-    # (``solver.STALL_MIN_S``, wall time) stopped it "feasible" just before its proof.
-    monkeypatch.setattr(solver, "STALL_MIN_S", 120.0)
+def test_memory_budget_binds(tiny2):
+    # 80% of the free plan's memory: its MIP takes 0.6 s on a quiet 2-core machine (at 70% it
+    # took 14 s, and beside the suite the stall guard could stop it short of its proof).
     free = make_plan(tiny2, MESH)
-    tight = make_plan(tiny2, MESH, memory_budget=free.estimate.memory_bytes * 0.7)
+    tight = make_plan(tiny2, MESH, memory_budget=free.estimate.memory_bytes * 0.8)
     assert tight.status == "optimal"
-    assert tight.estimate.memory_bytes <= free.estimate.memory_bytes * 0.7
+    assert tight.estimate.memory_bytes <= free.estimate.memory_bytes * 0.8
     sharded = lambda p: sum(any(isinstance(x, Shard) for x in ps) for ps in p.params.values())  # noqa: E731
     assert sharded(tight) > sharded(free)
     impossible = make_plan(tiny2, MESH, memory_budget=1000)
