@@ -213,7 +213,7 @@ def hop_tree(src: tuple, global_shape: tuple[int, ...], itemsize: int,
     the path of fewer hops. Each hop's cost is kept per shape and mesh for other sources'
     searches."""
     options = (_REPLICATE, *range(len(global_shape)))
-    arcs = _ARC_COSTS.setdefault((global_shape, itemsize, topology), {})
+    arcs = _arc_costs(global_shape, itemsize, topology)
     done: dict[tuple, tuple[float, tuple]] = {}
     heap = [(0.0, 0, 0, src, src)]
     order = itertools.count(1)
@@ -237,10 +237,17 @@ def hop_tree(src: tuple, global_shape: tuple[int, ...], itemsize: int,
     return done
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def _arc_costs(global_shape: tuple[int, ...], itemsize: int, topology: MeshTopology) -> dict[tuple, float]:
+    """``hop_tree``'s hop costs for one tensor on one mesh, (from, to) -> seconds, filled as its
+    searches ask: a dict lookup is cheaper than ``_dtensor_cost``'s cache key, and the tables
+    are bounded in number as that cache is."""
+    return {}
+
+
 # Placement codes: Shard(d) is d, Replicate this, Partial its reduce op's name. The cost model
 # runs on codes: placement objects hash and compare in Python, slowly.
 _REPLICATE = -1
-_ARC_COSTS: dict[tuple, dict[tuple[tuple, tuple], float]] = {}
 
 
 def _codes(ps: Placements) -> tuple:

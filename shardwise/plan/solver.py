@@ -410,12 +410,19 @@ class _StallGuard:
     whose bound has come within ``rel_gap`` of the start it was not handed (``_run_mip``: HiGHS
     knows no plan of its own to measure its gap by). HiGHS calls it between its steps (on
     llama3-70b 27 times in 48 s at the root node, 212 in a 12-s neighbourhood MIP), so it costs
-    nothing to speak of."""
+    nothing to speak of. ``loose_from``: the run is a loose gap's last MIP, begun at this
+    bound: its progress is measured from that bound and the start from the first moment on, and
+    it is taken for stalled from LOOSE_STALL_MIN_S on (the caller asked for a plan soon, not the
+    optimum; a run whose root LP takes long makes no report before)."""
 
-    def __init__(self, h: highspy.Highs, start_cost: float, rel_gap: float) -> None:
+    def __init__(self, h: highspy.Highs, start_cost: float, rel_gap: float,
+                 loose_from: float | None = None) -> None:
         self.began = time.perf_counter()
         self.start_cost, self.rel_gap = start_cost, rel_gap
+        self.min_s = STALL_MIN_S if loose_from is None else LOOSE_STALL_MIN_S
         self.seen: list[tuple[float, float, float]] = []  # (seconds, plan, bound) while both are finite
+        if loose_from is not None and math.isfinite(start_cost) and math.isfinite(loose_from):
+            self.seen.append((0.0, start_cost, loose_from))
         h.setCallback(self, None)
         h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
 
@@ -429,7 +436,7 @@ class _StallGuard:
             data_in.user_interrupt = True  # as HiGHS stops where its own plan is within the gap
             return
         self.seen.append((t, plan, bound))
-        if t < STALL_MIN_S:
+        if t < self.min_s:
             return
         then = [r for r in self.seen if r[0] <= (1.0 - STALL_WINDOW_SHARE) * t]
         if not then:
@@ -441,9 +448,9 @@ class _StallGuard:
         data_in.user_interrupt = True
 
 
-def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
+def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int, loose_from: float | None = None) -> Solved:
     """Run HiGHS's MIP on the model it holds; ``start`` (a complete feasible point, if given) is
-    the plan to beat.
+    the plan to beat; ``loose_from``: ``_StallGuard``'s.
 
     The start is not handed to HiGHS as a solution: HiGHS 1.16 can take a start for a better
     one than it is, and then prunes against, and reports, that price. On llama-tiny over 4
@@ -461,7 +468,7 @@ def _run_mip(h: highspy.Highs, start: np.ndarray | None, n: int) -> Solved:
     if start is not None:
         h.setOptionValue("objective_bound", start_cost)
     _, rel_gap = h.getOptionValue("mip_rel_gap")  # highspy's (status, value)
-    _StallGuard(h, start_cost, rel_gap)
+    _StallGuard(h, start_cost, rel_gap, loose_from)
     h.run()
     status, info = h.getModelStatus(), h.getInfo()
     bound = _dual_bound(h)
@@ -507,9 +514,14 @@ RINS_SHARE = 0.5
 # Where the rounded LP point is within the gap asked, the neighbourhood MIP gets at most this
 # long (``solve_by_lp_bound``): where the LP decides nearly every group, it needs well under 1 s.
 POLISH_S = 5.0
-# Where a loose gap is asked, the whole MIP after the neighbourhood gets at most this long: on
-# llama3-70b it ran 52 s (the stall guard did not stop it) without a better plan.
+# Where a loose gap is asked, the whole MIP after the neighbourhood gets at most LOOSE_MIP_S, and
+# the stall guard measures it from the LP bound it began at, from LOOSE_STALL_MIN_S on
+# (``_StallGuard``'s ``loose_from``). On llama3-70b it ran 52 s (the stall guard did not stop it)
+# without a better plan; at stop 54 it ran 20 s at its root node, its first report at 9.4 s (the
+# root LP by simplex), its bound 1.69949e6 -> 1.69957e6 against a plan at 1.78142e6 (0.1% of the
+# gap); it now stops at that first report, with the same plan.
 LOOSE_MIP_S = STALL_MIN_S
+LOOSE_STALL_MIN_S = 5.0
 # Where the caller accepts a plan at least this far from the bound (``rel_gap``), the interior
 # point stops at ``loose_ipm_tolerance`` (a tenth of the gap) instead of HiGHS's 1e-8: the bound
 # is valid for any duals (``_lp_bound``), and the LP value's error is small beside the gap. On
@@ -753,8 +765,11 @@ _SOLVED = (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kUnknown)
 
 class LpRun:
     """``_lp_bound`` of a model, optionally solved in a background thread: HiGHS leaves Python's
-    GIL while it runs, so the planner goes on (pricing the hand plans) on another core. The
-    model must not change until ``result``. HiGHS is set up here, in the caller's thread (its
+    GIL while it runs, so the planner goes on (pricing the hand plans) on another core. With
+    ``search_gap`` the thread goes on to steps 2-3 of ``solve_by_lp_bound`` (``search``): on
+    llama3-70b over 8x8 the LP ends 8 s before the hand plans, and the neighbourhood MIP's 7 s
+    ran after them (stop 55: the whole plan 44.6 -> 39.8 s, the same plan). The model must not
+    change until ``result``. HiGHS is set up here, in the caller's thread (its
     banner is silenced on the process's stdout, which no other thread should see closed).
     There is no cancelling it: HiGHS's user interrupt polls a Python callback, which takes the
     GIL from the planner's thread (on llama3-8b over 8x8 the LP took 14.7 s instead of 10.8 s
@@ -763,9 +778,14 @@ class LpRun:
     aborts the process ("terminate called without an active exception", exit 134)."""
 
     def __init__(self, m: Model, unit: float, time_limit_s: float, tolerance: float | None = None,
-                 *, background: bool = True, memory: bool = False) -> None:
+                 *, background: bool = True, memory: bool = False, search_gap: float | None = None) -> None:
         self.m, self.unit, self.tolerance = m, unit, tolerance
         self.deadline = time.perf_counter() + time_limit_s
+        # ``search_gap``: once the LP is solved, the thread goes on to steps 2-3 of
+        # ``solve_by_lp_bound`` for that gap (``_Search``), its MIP's HiGHS made here (above).
+        self._search: _Search | None = None
+        self._search_h = _highs(time_limit_s) if background and search_gap is not None else None
+        self._search_gap = search_gap
         # Without the memory row first (``MemoryPart``); ``result`` solves the whole LP where
         # that LP's point breaks it.
         self.memory = memory or m.memory_part is None
@@ -789,9 +809,15 @@ class LpRun:
         t0 = time.perf_counter()
         try:
             self.h.run()
+            log.debug("interior-point LP: %s in %.2f s", self.h.getModelStatus(), time.perf_counter() - t0)
+            if self._search_h is not None:
+                lp = self._bound(whole=False)
+                if lp is not None:
+                    self._search = _search(self.m, self.unit, lp, None, self._search_gap,
+                                           max(0.0, self.deadline - time.perf_counter()), self._search_h)
+                    self._search.memory_ub = self._memory_ub()
         except BaseException as e:  # handed to the caller by result()
             self._error = e
-        log.debug("interior-point LP: %s in %.2f s", self.h.getModelStatus(), time.perf_counter() - t0)
 
     def result(self) -> _LpBound | None:
         """Waits for the LP; its bound, or None where it did not finish in time."""
@@ -804,8 +830,25 @@ class LpRun:
             self._thread.join()
         if self._error is not None:
             raise self._error
-        if not self.memory:
-            self._check_memory()
+        return self._bound()
+
+    def search(self) -> _Search | None:
+        """Steps 2-3 as the thread took them after the LP (once: None after the first call, and
+        where the model's memory budget has changed since, ``IlpModel.set_budget``)."""
+        found, self._search = self._search, None
+        return found if found is not None and found.memory_ub == self._memory_ub() else None
+
+    def _memory_ub(self) -> float | None:
+        return None if self.m.memory_row is None else self.m.row_ub[self.m.memory_row]
+
+    def _bound(self, whole: bool = True) -> _LpBound | None:
+        """The bound (``result``); ``whole=False``: None where it needs the whole LP solved
+        first (``_solve_whole``: its HiGHS is made in the caller's thread, which must be the
+        main one)."""
+        if not self.memory and not self._keeps_memory():
+            if not whole:
+                return None
+            self._solve_whole()
         h, m = self.h, self.m
         solution = h.getSolution()
         # Without crossover, the interior point may stop "unknown", its point a little off the
@@ -863,24 +906,27 @@ class LpRun:
                     primal[t] = max(0.0, *(sum(c * primal[e] for e, c in terms.items()) for terms in rows))
         return primal
 
-    def _check_memory(self) -> None:
-        """Where the LP without the memory row has a point that breaks it (or the memory
-        part's rows), solve the whole LP instead, and take its point and duals from now on;
-        where it has none, too (its time limit). Where the point keeps to the row, it is the
-        whole LP's optimum too (the optimum of a relaxation, and feasible); a later ``result``
-        checks it again (``IlpModel.set_budget``: a lower budget)."""
+    def _keeps_memory(self) -> bool:
+        """Whether the LP without the memory row has a point that keeps to it and to the memory
+        part's rows: then it is the whole LP's optimum too (the optimum of a relaxation, and
+        feasible); a later ``result`` checks it again (``IlpModel.set_budget``: a lower budget)."""
         m, part = self.m, self.m.memory_part
         status = self.h.getModelStatus()
         point = self._point() if status in _SOLVED and self.h.getSolution().value_valid else None
-        if point is not None:
-            # The part's rows, the memory row, and any other row that reads a part column not
-            # 0 at the point (the LP saw that row without it).
-            a = m.arrays()
-            read = (a.index >= part.cols.start) & (a.index < part.cols.stop) & (point[a.index] != 0.0)
-            rows = sorted({*part.rows, *a.entry_rows[read].tolist(),
-                           *([m.memory_row] if m.memory_row is not None else [])})
-            if not violated_rows(m, point, rows):
-                return
+        if point is None:
+            return False
+        # The part's rows, the memory row, and any other row that reads a part column not 0 at
+        # the point (the LP saw that row without it).
+        a = m.arrays()
+        read = (a.index >= part.cols.start) & (a.index < part.cols.stop) & (point[a.index] != 0.0)
+        rows = sorted({*part.rows, *a.entry_rows[read].tolist(),
+                       *([m.memory_row] if m.memory_row is not None else [])})
+        return not violated_rows(m, point, rows)
+
+    def _solve_whole(self) -> None:
+        """Solve the whole LP, and take its point and duals from now on (where the LP without the
+        memory row breaks it, or has no point: its time limit)."""
+        m = self.m
         log.debug("the LP without the memory row broke it: the whole LP")
         self.memory = True
         whole = LpRun(m, self.unit, max(0.0, self.deadline - time.perf_counter()), self.tolerance,
@@ -890,13 +936,19 @@ class LpRun:
 
 
 def _mip(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None, upper: np.ndarray,
-         rel_gap: float = MIP_REL_GAP) -> Solved:
-    """HiGHS's MIP on ``m`` with column upper bounds ``upper`` (0 fixes a column out)."""
+         h: highspy.Highs | None = None, rel_gap: float = MIP_REL_GAP,
+         loose_from: float | None = None) -> Solved:
+    """HiGHS's MIP on ``m`` with column upper bounds ``upper`` (0 fixes a column out), in ``h``
+    where given (made in another thread: ``LpRun``); ``loose_from``: ``_run_mip``'s."""
     lp = _highs_lp(m, unit)
     lp.col_upper_ = upper
-    h = _highs(time_limit_s, rel_gap)
+    if h is None:
+        h = _highs(time_limit_s, rel_gap)
+    else:
+        h.setOptionValue("time_limit", float(time_limit_s))
+        h.setOptionValue("mip_rel_gap", rel_gap)
     h.passModel(lp)
-    return _run_mip(h, start, len(m.cost))
+    return _run_mip(h, start, len(m.cost), loose_from)
 
 
 def _within(point: np.ndarray | None, cost: np.ndarray, bound: float, rel_gap: float) -> bool:
@@ -908,10 +960,45 @@ def _within(point: np.ndarray | None, cost: np.ndarray, bound: float, rel_gap: f
     return upper - bound <= rel_gap * upper
 
 
+@dataclass
+class _Search:
+    """Steps 2-3 of ``solve_by_lp_bound``: the rounded LP point, how many rows it breaks, the
+    neighbourhood MIP's result and how many columns it could use."""
+
+    rounded: np.ndarray
+    broken: int
+    rins: Solved
+    columns: int
+    memory_ub: float | None = None  # the memory row's bound it was made under (``LpRun.search``)
+
+
+def _search(m: Model, unit: float, lp: _LpBound, start: np.ndarray | None, rel_gap: float, left_s: float,
+            h: highspy.Highs | None = None) -> _Search:
+    """Round the LP point and search its neighbourhood (in ``h`` if given) for ``RINS_SHARE`` of
+    ``left_s``, ``POLISH_S`` at most where the cheaper of ``start`` and the rounded point is within
+    ``rel_gap`` of the bound already.
+
+    The neighbourhood is searched even there: the objective's error beside the step schedule is
+    larger than such a gap, so a cheaper plan next to the rounded one is worth the second it takes.
+    On llama3-8b, 2 layers over 8x8 at --gap 0.01, the rounded point was 0.09% over the bound and
+    ran 54.1 ms a step by the schedule; the neighbourhood's optimum (0.4 s, 12 of 452 nodes placed
+    otherwise) is the model's optimum, 48.1 ms. The rounded point may break the memory row: HiGHS
+    then looks for a point itself."""
+    cost = m.arrays().cost / unit
+    rounded, rins_ub = round_lp(m, lp.primal)
+    broken = violated_rows(m, rounded)
+    best = [p for p in (start, None if broken else rounded) if p is not None]
+    polish = any(_within(p, cost, lp.bound, rel_gap) for p in best)
+    rins = _mip(m, unit, min(RINS_SHARE * left_s, POLISH_S) if polish else RINS_SHARE * left_s,
+                None if broken else rounded, rins_ub, h)
+    return _Search(rounded, broken, rins, int((rins_ub > 0.0).sum()))
+
+
 def start_lp_bound(m: Model, unit: float, time_limit_s: float, rel_gap: float = MIP_REL_GAP, *,
                    background: bool = True) -> LpRun:
     """``solve_by_lp_bound``'s first step, started now (in a background thread: its ``ahead``)."""
-    return LpRun(m, unit, LP_BOUND_SHARE * time_limit_s, loose_ipm_tolerance(rel_gap), background=background)
+    return LpRun(m, unit, LP_BOUND_SHARE * time_limit_s, loose_ipm_tolerance(rel_gap), background=background,
+                 search_gap=rel_gap)
 
 
 def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndarray | None,
@@ -935,7 +1022,8 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
        cheapest), so it is fixed out, and HiGHS's MIP solves the rest from UB (for LOOSE_MIP_S
        at most where ``rel_gap`` is at least LOOSE_GAP).
 
-    The optimum is the whole model's; the bound is the larger of LB and the last MIP's. It stops
+    Steps 2-3 are ``ahead``'s where its thread took them (``LpRun.search``). The optimum is the
+    whole model's; the bound is the larger of LB and the last MIP's. It stops
     early where the incumbent is within ``rel_gap`` of LB after step 3 (which then runs for
     POLISH_S at most), or HiGHS of its bound. If the LP does not finish within LP_BOUND_SHARE of
     the time, the whole MIP gets the rest. The rounded point and the neighbourhood's plan, where
@@ -951,26 +1039,18 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     if lp is None and ahead.tolerance is not None:  # the loose LP ended without an optimal status
         lp = _lp_bound(m, unit, LP_BOUND_SHARE * max(0.0, deadline - time.perf_counter()))
     if lp is None:
-        return _mip(m, unit, max(0.0, deadline - time.perf_counter()), start, ub, rel_gap)
+        return _mip(m, unit, max(0.0, deadline - time.perf_counter()), start, ub, rel_gap=rel_gap)
     cost, integer = m.arrays().cost / unit, m.arrays().integer
-    rounded, rins_ub = round_lp(m, lp.primal)
-    incumbent, broken = start, violated_rows(m, rounded)
+    searched = ahead.search()
+    if searched is None:
+        searched = _search(m, unit, lp, start, rel_gap, max(0.0, deadline - time.perf_counter()))
+    rounded, broken, rins = searched.rounded, searched.broken, searched.rins
+    incumbent = start
     if not broken and (incumbent is None or float(cost @ rounded) < float(cost @ incumbent)):
         incumbent = rounded
     log.debug("LP bound %.6g after %.2f s; rounded %.6g (%d rows broken); start %.6g", lp.bound,
               time.perf_counter() - (deadline - time_limit_s), float(cost @ rounded), broken,
               float(cost @ start) if start is not None else math.inf)
-    # The neighbourhood is searched even where the rounded point is within the gap already
-    # (for POLISH_S at most): the objective's error beside the step schedule is larger than such
-    # a gap, so a cheaper plan next to the rounded one is worth the second it takes. On llama3-8b,
-    # 2 layers over 8x8 at --gap 0.01, the rounded point was 0.09% over the bound and ran 54.1 ms
-    # a step by the schedule; the neighbourhood's optimum (0.4 s, 12 of 452 nodes placed
-    # otherwise) is the model's optimum, 48.1 ms. The rounded point may break the memory row:
-    # HiGHS then looks for a point itself.
-    left = max(0.0, deadline - time.perf_counter())
-    polish = _within(incumbent, cost, lp.bound, rel_gap)
-    rins = _mip(m, unit, min(RINS_SHARE * left, POLISH_S) if polish else RINS_SHARE * left,
-                None if broken else rounded, rins_ub)
     # The model's own plans this solve finds (not the start, a hand plan's).
     found = [] if broken else [rounded]
     if rins.solution is not None:
@@ -980,7 +1060,7 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     log.debug("neighbourhood MIP: %s %.6g", rins.status, rins.objective)
     upper = float(cost @ incumbent) if incumbent is not None else math.inf
     if _within(incumbent, cost, lp.bound, rel_gap):  # close enough: no (more) MIP
-        return Solved("feasible", upper, lp.bound, incumbent, columns=int((rins_ub > 0.0).sum()),
+        return Solved("feasible", upper, lp.bound, incumbent, columns=searched.columns,
                       bound_any_budget=lp.any_budget, alternatives=_others(found, incumbent, integer))
     fixable = integer.copy()
     fixable[list(m.ends)] = True
@@ -993,7 +1073,9 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
     restrict_flows(m, ub)
     fixed = ub == 0.0
     left = max(0.0, deadline - time.perf_counter())
-    done = _mip(m, unit, min(left, LOOSE_MIP_S) if rel_gap >= LOOSE_GAP else left, incumbent, ub, rel_gap)
+    loose = rel_gap >= LOOSE_GAP
+    done = _mip(m, unit, min(left, LOOSE_MIP_S) if loose else left, incumbent, ub, rel_gap=rel_gap,
+                loose_from=lp.bound if loose else None)
     done.bound = max(done.bound, lp.bound)
     done.columns = int((~fixed).sum())
     if done.solution is None and incumbent is not None:  # out of time: the incumbent stands

@@ -281,23 +281,27 @@ def test_an_lp_solved_under_a_tight_budget_bounds_a_larger_one_no_worse_than_wit
 
 def test_a_loose_gap_gives_the_last_mip_at_most_its_own_time(tiny, monkeypatch):
     """Where no plan in hand is within a loose gap, the whole MIP after the neighbourhood runs
-    ``LOOSE_MIP_S`` at most; to the optimum it gets all the time left."""
+    ``LOOSE_MIP_S`` at most, its stall measured from the LP bound; to the optimum it gets all the
+    time left and the stall guard's own rule."""
     problem, mesh = tiny
     limits = []
     real_mip = solver._mip
 
-    def mip(m, unit, time_limit_s, start, upper, rel_gap=solver.MIP_REL_GAP):
-        limits.append((time_limit_s, rel_gap))
-        return real_mip(m, unit, time_limit_s, start, upper, rel_gap)
+    def mip(m, unit, time_limit_s, start, upper, h=None, rel_gap=solver.MIP_REL_GAP, loose_from=None):
+        limits.append((time_limit_s, rel_gap, loose_from))
+        return real_mip(m, unit, time_limit_s, start, upper, h, rel_gap, loose_from)
 
     monkeypatch.setattr(solver, "_mip", mip)
     monkeypatch.setattr(solver, "_within", lambda *args: False)  # no plan in hand is close enough
     gap = 10 * solver.LOOSE_GAP
     loose = _solve(problem, default_budget(mesh), rel_gap=gap)
     assert limits[-1][1] == gap and 0.0 < limits[-1][0] <= solver.LOOSE_MIP_S
+    # measured from the LP bound (the bound the solve returns is the larger of it and the MIP's)
+    assert 0.0 < limits[-1][2] <= loose.bound_s / ilp.OBJECTIVE_UNIT_S * (1 + REL)
     limits.clear()
     exact = _solve(problem, default_budget(mesh))
     assert limits[-1][1] == solver.MIP_REL_GAP and limits[-1][0] > solver.LOOSE_MIP_S
+    assert limits[-1][2] is None
     assert loose.status in ("optimal", "feasible") and exact.status == "optimal"
 
 
@@ -333,9 +337,9 @@ def test_a_rounded_point_within_the_gap_is_still_polished_by_the_neighbourhood(t
     limits = []
     real_mip = solver._mip
 
-    def mip(m, unit, time_limit_s, start, upper, rel_gap=solver.MIP_REL_GAP):
+    def mip(m, unit, time_limit_s, start, upper, h=None, rel_gap=solver.MIP_REL_GAP, loose_from=None):
         limits.append(time_limit_s)
-        return real_mip(m, unit, time_limit_s, start, upper, rel_gap)
+        return real_mip(m, unit, time_limit_s, start, upper, h, rel_gap, loose_from)
 
     monkeypatch.setattr(solver, "_mip", mip)
     got = _solve(problem, default_budget(mesh), rel_gap=1.0)
@@ -357,3 +361,27 @@ def test_the_solves_other_points_are_distinct_plans_no_cheaper_than_its_solution
     for point in got.alternatives:
         assert point.objective_s >= got.objective_s * (1 - REL)
         assert point.memory_bytes is not None and point.memory_bytes <= default_budget(mesh)
+
+
+def test_the_search_the_lp_thread_makes_is_the_solves_own(tiny):
+    """An LP started ahead (``IlpModel.start_lp``) rounds its point and searches the
+    neighbourhood in its own thread, while the planner goes on; the solve takes that search and
+    ends where a solve that searches itself does. A search is taken once, and not after the
+    budget changed (``IlpModel.set_budget``): the neighbourhood was another model's."""
+    problem, mesh = tiny
+    budget = default_budget(mesh)
+    itself = _solve(problem, budget, rel_gap=LOOSE_GAP)
+    model = _built(problem, budget)
+    model.start_lp(TIME_LIMIT_S, LOOSE_GAP)
+    model.lp_ahead.result()  # the thread has ended: its search is made
+    assert model.lp_ahead._search is not None
+    ahead = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S, rel_gap=LOOSE_GAP)
+    assert model.lp_ahead.search() is None
+    assert ahead.choice == itself.choice and ahead.objective_s == pytest.approx(itself.objective_s, rel=REL)
+    assert ahead.bound_s == pytest.approx(itself.bound_s, rel=REL)
+
+    other = _built(problem, budget)
+    other.start_lp(TIME_LIMIT_S, LOOSE_GAP)
+    other.lp_ahead.result()
+    other.set_budget(budget / 2)
+    assert other.lp_ahead.search() is None

@@ -196,6 +196,29 @@ def test_a_run_whose_gap_stalls_is_stopped(clock):
     assert np.array_equal(got.solution, START) and got.objective == pytest.approx(3.0)
 
 
+def test_a_loose_run_is_taken_for_stalled_from_its_own_minimum(clock):
+    # The same creeping bound in a loose gap's last MIP, begun at the bound 1: stopped once
+    # LOOSE_STALL_MIN_S has passed, well before STALL_MIN_S.
+    h = _Highs(clock, run_s=LIMIT_S, result=None, progress=_gap_closing(0.001), rel_gap=solver.MIP_REL_GAP)
+    got = _run_mip(h, START, 2, loose_from=1.0)
+    assert h.interrupted
+    assert solver.LOOSE_STALL_MIN_S <= clock.now < solver.STALL_MIN_S
+    assert np.array_equal(got.solution, START)
+
+
+@pytest.mark.parametrize("loose", [True, False])
+def test_a_loose_run_whose_root_reports_late_is_measured_from_the_bound_it_began_at(clock, loose):
+    # HiGHS's first report comes at 9 s (its root LP), its bound hardly above the 1 it began at:
+    # a loose run stops there; another runs on (nothing to measure before 4.5 s, and under
+    # STALL_MIN_S).
+    calls = [(9.0, float("inf"), 1.001), (12.0, float("inf"), 1.002)]
+    h = _Highs(clock, run_s=LIMIT_S, result=None, progress=calls, rel_gap=solver.MIP_REL_GAP)
+    got = _run_mip(h, START, 2, loose_from=1.0 if loose else None)
+    assert h.interrupted == loose
+    assert clock.now == pytest.approx(9.0 if loose else LIMIT_S)
+    assert np.array_equal(got.solution, START)
+
+
 def test_a_run_that_closes_its_gap_or_improves_its_plan_runs_on(clock):
     closing = _gap_closing(0.05)  # 5% of the gap a second: over STALL_PROGRESS in any window
     improving = [(float(t), 2.99 - 0.01 * t, 1.0) for t in range(1, 40)]  # the bound still, the plan better
