@@ -649,9 +649,10 @@ def _bound_ub(m: Model) -> np.ndarray:
     force (the Lagrangian bound of ``LpRun.result`` reads them)."""
     a = m.arrays()
     if a.bound_ub is None:
-        ub = a.bound_ub = a.ub.copy()
+        ub = a.ub.copy()
         for t, rows in m.t_rows.items():  # in the order added: after the columns they read
             ub[t] = min(ub[t], max(sum(max(0.0, c) * ub[e] for e, c in terms.items()) for terms in rows))
+        a.bound_ub = ub  # whole: ``LpRun``'s thread may ask at the same time
     return a.bound_ub
 
 
@@ -661,12 +662,13 @@ def _integer_groups(m: Model) -> list[tuple[np.ndarray, int]]:
     checkpointing counts n[g,none] + n[g,selective] + n[g,full] = L_g (``checkpointing.py``)."""
     a = m.arrays()
     if a.groups is None:
-        a.groups = []
+        groups = []
         for r, (lo, hi) in enumerate(zip(m.row_lb, m.row_ub, strict=True)):
             if lo == hi and lo >= 1.0 and float(lo).is_integer():
                 cols = a.index[a.starts[r]:a.starts[r + 1]]
                 if a.integer[cols].all() and (a.value[a.starts[r]:a.starts[r + 1]] == 1.0).all():
-                    a.groups.append((cols, int(lo)))
+                    groups.append((cols, int(lo)))
+        a.groups = groups  # whole: ``LpRun``'s thread may ask at the same time
     return a.groups
 
 
