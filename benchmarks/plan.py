@@ -410,6 +410,17 @@ larger lifts the bound 1.69949e6 -> 1.73883e6 (an interior point of 5.0 s), to t
 1.82815e6 (above the plan, 1.78142e6); branching instead on the most fractional groups (parameters)
 moved the bound by 0.07% in 14 LPs (5-6 s each). Within 1% wants a branch-and-bound over such
 choices whose LPs take 5-6 s each: not in 30 s on this machine.
+
+Stop 55. (1) The LP's thread goes on to the rounding and the neighbourhood MIP once the LP is
+solved (``solver.LpRun.search``), while the hand plans are priced: on 70B the LP ends ~8 s before
+them, and the neighbourhood's 7 s ran after them; on 32 layers the bound's arrays (0.8 s) moved
+off the critical path too. (2) A loose gap's last MIP is measured by the stall guard from the LP
+bound it began at, from 5 s on (``_StallGuard``'s ``loose_from``): on 70B HiGHS's first report
+comes at 9.4 s (its root LP by simplex), its bound 1.69949e6 -> 1.69957e6 against a plan at
+1.78142e6, and the run now stops there instead of at 20 s. Stop 54's code and this, alternating,
+``--modes warm --gap 0.01``: 2 layers 6.56, 4.77 -> 6.01, 4.55 s; 32 layers 8.77, 7.97 -> 7.81,
+7.14 s; 70B 48.25, 46.07 -> 30.99, 29.07 s; every plan, bound and gap the same (70B: fsdp_tp,
+1.6803 s by the schedule, gap 4.59%: the relaxation's, above).
 """
 
 from __future__ import annotations
