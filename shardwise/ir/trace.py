@@ -26,6 +26,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardwise.errors import UserError, first_line
+from shardwise.gcpause import paused_gc
 from shardwise.ir.stamp import StampRefused
 
 T = TypeVar("T")
@@ -342,6 +343,7 @@ def _to_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     return mode.from_tensor(t, static_shapes=True)
 
 
+@paused_gc()
 def trace_model(
     name: str,
     *,

@@ -10,13 +10,11 @@ which is also how the report's collectives and memory are computed.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from torch import fx
@@ -26,6 +24,7 @@ from shardwise.cost.hardware import get_hardware
 from shardwise.cost.reshard import leaves_copies, start_of_move
 from shardwise.cost.units import format_bytes
 from shardwise.errors import UserError
+from shardwise.gcpause import paused_gc
 from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh
 from shardwise.passes.remat import ACPolicy
@@ -104,32 +103,7 @@ def _planner_costs(mesh: Mesh, strategy_cache: dict | None) -> PlannerCosts:
     return costs
 
 
-@contextlib.contextmanager
-def _heap_frozen() -> Iterator[None]:
-    """Run the block with the objects alive at its start (the traced graph and its fake tensors,
-    torch's own) out of the cyclic garbage collector's sight (``gc.freeze``), handed back after
-    it. The planner makes millions of small objects, and each full collection they set off
-    walked the whole heap again: on llama3-8b, 2 layers over 8x8, the ILP build 1.29 -> 0.84-0.92
-    s. Inside an enclosing such block (``plan_with_baselines`` calls ``make_plan``): as it is.
-    The blocks are counted here, not by ``gc.get_freeze_count``, which walks the frozen heap
-    (34 ms a call on llama3-70b, under cProfile)."""
-    global _frozen_blocks
-    if not _frozen_blocks:
-        gc.freeze()
-    _frozen_blocks += 1
-    try:
-        yield
-    finally:
-        _frozen_blocks -= 1
-        if not _frozen_blocks:
-            gc.unfreeze()
-
-
-# The ``_heap_frozen`` blocks open now: the garbage collector is the process's, as is this count.
-_frozen_blocks = 0
-
-
-@_heap_frozen()
+@paused_gc()
 def make_plan(
     traced: Traced,
     mesh: Mesh,
@@ -379,7 +353,7 @@ def _strategies(traced: Traced, mesh: Mesh, spec: BaselineSpec | None, constrain
     return clus, ns
 
 
-@_heap_frozen()
+@paused_gc()
 def plan_with_baselines(traced: Traced, mesh: Mesh, *, baselines: Sequence[str] = BASELINES,
                         on_phase: Callable[[str], None] | None = None, step_options: dict | None = None,
                         **options) -> tuple[Plan, dict[str, Plan | None]]:
