@@ -8,6 +8,7 @@ import gc
 import pytest
 
 from shardwise import models
+from shardwise.cost import step
 from shardwise.gcpause import paused_gc
 from shardwise.ir.trace import trace_model
 from shardwise.mesh import Mesh
@@ -79,13 +80,17 @@ def _recording(monkeypatch, module, name: str, seen: list) -> None:
     monkeypatch.setattr(module, name, call)
 
 
-def test_the_tracer_and_the_planner_run_with_it_paused(collector_on, monkeypatch):
+def test_the_tracer_the_planner_and_the_step_schedule_run_with_it_paused(collector_on, monkeypatch):
     seen = []
     _recording(monkeypatch, models, "get_model", seen)
     _recording(monkeypatch, planner, "enumerate_strategies", seen)
+    _recording(monkeypatch, step, "schedule_step", seen)
     traced = trace_model("llama-tiny", layers=2, batch=2, seq=16)
     assert seen == [False] and gc.isenabled()
     canonicalize(traced)
-    plan = planner.make_plan(traced, Mesh((2,), hardware="h100"))
+    mesh = Mesh((2,), hardware="h100")
+    plan = planner.make_plan(traced, mesh)
     assert plan.status == "optimal" and seen == [False, False]
     assert gc.isenabled()
+    step.price_plan(traced, plan, mesh, {})
+    assert seen == [False, False, False] and gc.isenabled()

@@ -28,6 +28,7 @@ from shardwise.cost.hardware import Hardware, get_hardware
 from shardwise.cost.schedule import MemoryBreakdown, StepOptions, StepSchedule, schedule_step
 from shardwise.cost.topology import MeshTopology
 from shardwise.errors import UserError
+from shardwise.gcpause import paused_gc
 from shardwise.ir.flops import graph_flops
 from shardwise.ir.trace import Traced
 from shardwise.mesh import Mesh
@@ -233,6 +234,7 @@ def estimate_step(model: str, mesh: Mesh, plan: str, opts: dict, *, batch: int |
     return estimate_prepared(prepared, spec.n_layers, spec.batch * spec.seq, mesh, hw, opts, memory_budget)
 
 
+@paused_gc()
 def estimate_prepared(prepared: list[tuple[Traced, Plan]], layers: int, tokens: int, mesh: Mesh,
                       hw: Hardware, opts: dict, memory_budget: float | None = None,
                       costs: PlannerCosts | None = None) -> StepEstimate:
