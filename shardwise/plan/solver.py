@@ -784,8 +784,9 @@ class LpRun:
         self.m, self.unit, self.tolerance = m, unit, tolerance
         self.deadline = time.perf_counter() + time_limit_s
         # ``search_gap``: once the LP is solved, the thread goes on to steps 2-3 of
-        # ``solve_by_lp_bound`` for that gap (``_Search``), its MIP's HiGHS made here (above).
-        self._search: _Search | None = None
+        # ``solve_by_lp_bound`` for that gap (``_Search``), its MIP's HiGHS made here (above);
+        # what it found, with the bound, under the memory row's bound it found them at.
+        self._found: tuple[float | None, _LpBound, _Search | None] | None = None
         self._search_h = _highs(time_limit_s) if background and search_gap is not None else None
         self._search_gap = search_gap
         # Without the memory row first (``MemoryPart``); ``result`` solves the whole LP where
@@ -815,9 +816,9 @@ class LpRun:
             if self._search_h is not None:
                 lp = self._bound(whole=False)
                 if lp is not None:
-                    self._search = _search(self.m, self.unit, lp, None, self._search_gap,
-                                           max(0.0, self.deadline - time.perf_counter()), self._search_h)
-                    self._search.memory_ub = self._memory_ub()
+                    self._found = (self._memory_ub(), lp, _search(
+                        self.m, self.unit, lp, None, self._search_gap,
+                        max(0.0, self.deadline - time.perf_counter()), self._search_h))
         except BaseException as e:  # handed to the caller by result()
             self._error = e
 
@@ -832,13 +833,22 @@ class LpRun:
             self._thread.join()
         if self._error is not None:
             raise self._error
-        return self._bound()
+        found = self._found_now()
+        return found[1] if found is not None else self._bound()
 
     def search(self) -> _Search | None:
         """Steps 2-3 as the thread took them after the LP (once: None after the first call, and
         where the model's memory budget has changed since, ``IlpModel.set_budget``)."""
-        found, self._search = self._search, None
-        return found if found is not None and found.memory_ub == self._memory_ub() else None
+        found = self._found_now()
+        if found is None or found[2] is None:
+            return None
+        self._found = (found[0], found[1], None)
+        return found[2]
+
+    def _found_now(self) -> tuple[float | None, _LpBound, _Search | None] | None:
+        """What the thread found, where the memory row's bound is still the one it was found at."""
+        found = self._found
+        return found if found is not None and found[0] == self._memory_ub() else None
 
     def _memory_ub(self) -> float | None:
         return None if self.m.memory_row is None else self.m.row_ub[self.m.memory_row]
@@ -971,7 +981,6 @@ class _Search:
     broken: int
     rins: Solved
     columns: int
-    memory_ub: float | None = None  # the memory row's bound it was made under (``LpRun.search``)
 
 
 def _search(m: Model, unit: float, lp: _LpBound, start: np.ndarray | None, rel_gap: float, left_s: float,

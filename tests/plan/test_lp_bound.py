@@ -374,7 +374,7 @@ def test_the_search_the_lp_thread_makes_is_the_solves_own(tiny):
     model = _built(problem, budget)
     model.start_lp(TIME_LIMIT_S, LOOSE_GAP)
     model.lp_ahead.result()  # the thread has ended: its search is made
-    assert model.lp_ahead._search is not None
+    assert model.lp_ahead._found is not None and model.lp_ahead._found[2] is not None
     ahead = ilp.solve_built(model, time_limit_s=TIME_LIMIT_S, rel_gap=LOOSE_GAP)
     assert model.lp_ahead.search() is None
     assert ahead.choice == itself.choice and ahead.objective_s == pytest.approx(itself.objective_s, rel=REL)
