@@ -33,6 +33,17 @@ rows read 1.025 (8B 64 GPU; 0.994 before), 1.114 (async TP; 1.072), 1.020 (70B 2
 1.085 (async TP; 1.031); the fitted rows' worst ratio is 1.047, inside the band: the fit was not
 run again.
 
+Async TP fuses a tensor-parallel all_gather only with the matmuls that read the gathered value as
+their left operand, as PyTorch's micro-pipeline pass does (``collective_matmul.matmuls_reading``):
+their rows split into the ring's chunks. The schedule had hidden the ring behind every matmul
+reading the value in the phase, the weight gradients too (which sum over the gathered rows and
+read the gathered copy after the ring, or the shard without it), and a recomputed gather behind
+the backward's weight gradients rather than the recomputed matmuls. Since: the async-TP rows 1.118
+-> 1.103 (8B 64 GPU) and 1.088 -> 1.084 (70B 256 GPU); every other row the same. The model still
+hides more than torchtitan measured: 0.41 s a step against 0.25 s (8B), 3.66 s against 2.32 s
+(70B). What it leaves out, and not measured here: the decomposed matmuls' own efficiency (a
+W-th of the rows each), and the copy engines' transfers beside the matmuls.
+
 Peak memory. torchtitan reports ``torch.cuda.max_memory_reserved`` (its DeviceMemoryMonitor's
 ``max_reserved_gib``), with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` set by its launch
 script. The estimate has no constant for it: the schedule lays every buffer of the step out in

@@ -31,9 +31,9 @@ by every reader; a consumer starts when its inputs have arrived.
   run under the rest of the backward; in torchtitan's mixed precision they move fp32
   (``reduce_dtype=float32``).
 - Tensor-parallel collectives are exposed: their consumer waits. With ``async_tp`` an
-  all_gather feeding matmuls, or a reduce_scatter of a matmul's output, on the ``tp`` dim is
-  fused with the matmul: the consumer is held back only by what the ring cannot hide,
-  ``(W - 1) * max(0, hop - chunk)`` (``cost/overlap.py``'s collective-matmul price).
+  all_gather feeding matmuls as their left operand, or a reduce_scatter of a matmul's output, on
+  the ``tp`` dim is fused with the matmul: the consumer is held back only by what the ring cannot
+  hide, ``(W - 1) * max(0, hop - chunk)`` (``cost/overlap.py``'s collective-matmul price).
 
 Activation checkpointing (``ac``: one policy, or one per decoder layer): the policy's recomputed
 forward nodes (``recompute_plan``) run again at the start of their layer's backward, their
@@ -100,6 +100,7 @@ from shardwise.errors import UserError
 from shardwise.ir.flops import is_view
 from shardwise.ir.match import CollectiveKind
 from shardwise.ir.trace import Phase, Traced
+from shardwise.passes.collective_matmul import matmuls_reading
 from shardwise.passes.remat import ACPolicy, AnyPolicy, recompute_plan
 from shardwise.plan.cluster import HEAD, TAIL, keeps_gathered, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
@@ -495,16 +496,14 @@ class _Scheduler:
         return overlapped_time(matmul_s / w, comm, w) - matmul_s
 
     def _matmul_readers_s(self, u: fx.Node, item: _Item) -> float:
-        """Time of the matmuls that read ``u`` (directly or through views): what an all_gather
-        of ``u`` fuses with."""
-        total, stack = 0.0, list(u.users)
-        while stack:
-            v = stack.pop()
-            if is_view(v):
-                stack.extend(v.users)
-            elif v.target in _MATMULS and self.traced.phase(v) is item.phase:
-                total += self._node_time(v, item.recompute)
-        return total
+        """Time of the matmuls an all_gather of ``u`` fuses with: those of ``item``'s phase that
+        read ``u`` as their left operand (``collective_matmul.matmuls_reading``, the pattern
+        PyTorch's micro-pipeline pass fuses too), whose rows the ring's chunks split; in a
+        recomputation, the recomputed ones. A weight gradient, which sums over the gathered dim,
+        reads the gathered copy after the ring."""
+        return sum(self._node_time(node, item.recompute) for m in matmuls_reading(u) for node in m.nodes
+                   if node.target in _MATMULS and (node in self.recompute if item.recompute
+                                                   else self.traced.phase(node) is item.phase))
 
     def _arrival(self, u: fx.Node, dst: Placements, item: _Item, i: int, t_c: float, gate: float = 0.0,
                  matmul_reader: bool = False, issued_at: int | None = None) -> float:

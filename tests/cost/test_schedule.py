@@ -18,11 +18,13 @@ from shardwise.cost.schedule import (
     COMPUTE_STREAM,
     EventKind,
     StepOptions,
+    _Scheduler,
     exposed_time,
     schedule_step,
     union_length,
 )
 from shardwise.cost.topology import MeshTopology
+from shardwise.ir.match import einsum_is_matmul, einsum_is_weight_grad
 from shardwise.ir.regions import alias_root
 from shardwise.ir.trace import Phase, trace_model
 from shardwise.mesh import parse_mesh
@@ -166,6 +168,34 @@ def test_async_tp_hides_tensor_parallel_collectives():
     assert fused.comm_s == pytest.approx(plain.comm_s)
     assert fused.exposed_comm_s < plain.exposed_comm_s
     assert fused.step_s < plain.step_s
+
+
+def test_async_tp_fuses_a_gather_with_the_matmuls_reading_it_as_left_operand():
+    """PyTorch's micro-pipeline pass splits the gathered operand's rows into the ring's chunks:
+    a matmul reading it as its left operand (``x @ w``) hides the ring, a weight gradient (which
+    sums over the gathered rows) does not; a recomputed gather, the recomputed matmuls."""
+    traced, p, topo = _planned("2x4", "dp,tp", "fsdp_tp_sp")
+    sched = _Scheduler(traced, p, topo, StepOptions(async_tp=True, ac=ACPolicy.FULL))
+    items = sched.items()
+
+    def einsums(u, phase, equation_test):
+        return [v for v in u.users if v.target is torch.ops.aten.einsum.default
+                and traced.phase(v) is phase and equation_test(v.args[0]) and v.args[1][0] is u]
+
+    checked = 0
+    for it in items:
+        u = it.node
+        phase = Phase.FORWARD if it.recompute else it.phase
+        left = einsums(u, phase, lambda eq: einsum_is_matmul(eq) is not None)
+        grads = einsums(u, Phase.BACKWARD, einsum_is_weight_grad)
+        if not left or not grads:
+            continue
+        fused = sched._matmul_readers_s(u, it)
+        assert fused == pytest.approx(sum(sched._node_time(v, it.recompute) for v in left))
+        assert fused > 0.0
+        checked += 1
+    # norm outputs (forward, recomputed) and gradients gathered in the backward
+    assert checked >= 4 and any(it.recompute for it in items)
 
 
 def test_activation_checkpointing_trades_time_for_memory():
