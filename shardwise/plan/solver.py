@@ -1046,6 +1046,8 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
         ahead = start_lp_bound(m, unit, time_limit_s, rel_gap, background=False)
     elif ahead.m is not m:
         raise ValueError("the LP started ahead is another model's")
+    else:  # a whole LP it solves now (``LpRun._solve_whole``) is this solve's first step
+        ahead.deadline = max(ahead.deadline, time.perf_counter() + LP_BOUND_SHARE * time_limit_s)
     lp = ahead.result()
     if lp is None and ahead.tolerance is not None:  # the loose LP ended without an optimal status
         lp = _lp_bound(m, unit, LP_BOUND_SHARE * max(0.0, deadline - time.perf_counter()))
