@@ -512,7 +512,11 @@ def _fit_by_schedule(prepared: PreparedPlan, auto: Plan, limit: float, starts: l
     once one budget gave a plan that fits and another one that does not, halfway between them.
     Returns the fastest plan that fits by the schedule, else the last one solved. A solve is
     skipped where the bounds of the last ones show no plan cheaper by FIT_GAIN can come of it,
-    and where the last plan fits with its memory row far under its budget (``FIT_UNBOUND``);
+    where the last plan fits with its memory row far under its budget (``FIT_UNBOUND``), and
+    where none fits yet and the last is already no faster than a hand plan of ``starts`` that
+    fits: the next budget is lower, and a plan held to less memory shards or recomputes more
+    (llama3-405b over 16x8 at --gap 0.01: five solves of 13.03-13.28 s plans against fsdp_tp_sp's
+    10.47 s, 170 s of the 251);
     once a plan fits, the solves for a faster one share one time limit (``time_limit_s``, from
     the first re-solve; until then each has its own), and each starts from the hand plans and
     the plans solved before that fit its budget. Each solve is ``prepared``'s ILP again
@@ -526,6 +530,7 @@ def _fit_by_schedule(prepared: PreparedPlan, auto: Plan, limit: float, starts: l
     bound_over = math.inf  # the ILP's bound at over_at: no smaller budget gives a cheaper plan
     target = limit * (1.0 - FIT_SLACK)
     last: tuple[float, float] | None = None  # (budget, schedule's peak) of the last plan
+    hand_s = min((e.step_s for e in map(price, starts) if e.fits), default=math.inf)
     for k in range(FIT_ROUNDS + 1):
         est = price(auto)
         log.info("ILP budget %s: AC %s, memory row %s, step %.4f s, peak %s (%s)", format_bytes(budget),
@@ -540,6 +545,8 @@ def _fit_by_schedule(prepared: PreparedPlan, auto: Plan, limit: float, starts: l
             over_at, bound_over = budget, auto.info["bound_s"]
         if k == FIT_ROUNDS:
             break
+        if best is None and not est.fits and est.step_s >= hand_s:
+            break  # a lower budget's plan is slower still than a hand plan that fits
         if math.isfinite(fits_at) and math.isfinite(over_at):
             new = (fits_at + over_at) / 2.0
             if _objective_s(best[1]) <= (1.0 + FIT_GAIN) * bound_over:

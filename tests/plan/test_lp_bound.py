@@ -308,9 +308,9 @@ def test_an_lp_solved_under_a_tight_budget_bounds_a_larger_one_no_worse_than_wit
 
 
 def test_a_loose_gap_gives_the_last_mip_at_most_its_own_time(tiny, monkeypatch):
-    """Where no plan in hand is within a loose gap, the whole MIP after the neighbourhood runs
-    ``LOOSE_MIP_S`` at most, its stall measured from the LP bound; to the optimum it gets all the
-    time left and the stall guard's own rule."""
+    """Where no plan in hand is within a loose gap, the neighbourhood MIP and the whole MIP after
+    it run ``LOOSE_MIP_S`` at most, the last one's stall measured from the LP bound; to the
+    optimum it gets all the time left and the stall guard's own rule."""
     problem, mesh = tiny
     limits = []
     real_mip = solver._mip
@@ -324,6 +324,9 @@ def test_a_loose_gap_gives_the_last_mip_at_most_its_own_time(tiny, monkeypatch):
     gap = 10 * solver.LOOSE_GAP
     loose = _solve(problem, default_budget(mesh), rel_gap=gap)
     assert limits[-1][1] == gap and 0.0 < limits[-1][0] <= solver.LOOSE_MIP_S
+    # the neighbourhood before it too, though half the time left is more
+    assert len(limits) == 2
+    assert 0.0 < limits[0][0] <= solver.LOOSE_MIP_S < solver.RINS_SHARE * TIME_LIMIT_S / 2
     # measured from the LP bound (the bound the solve returns is the larger of it and the MIP's)
     assert 0.0 < limits[-1][2] <= loose.bound_s / ilp.OBJECTIVE_UNIT_S * (1 + REL)
     limits.clear()

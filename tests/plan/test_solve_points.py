@@ -166,6 +166,41 @@ def test_the_budget_fit_follows_the_peaks_line_when_the_overhead_grows():
     assert price(plan_at(solved[1])).fits  # the second re-solve, on the line
 
 
+@pytest.mark.parametrize(("hand_step_s", "hand_fits", "again"), [(1.5, True, False), (2.5, True, True),
+                                                              (1.5, False, True)])
+def test_the_budget_fit_stops_where_a_hand_plan_that_fits_is_faster_already(hand_step_s, hand_fits, again):
+    """The ILP's plan does not fit (peak 100 against a 90 GiB limit) and runs 2 s: a lower budget's
+    plan would be slower still, so with a hand plan that fits at 1.5 s no re-solve is made; a
+    slower hand plan, or one that does not fit, leaves the fit to go on."""
+    from types import SimpleNamespace
+
+    gib = 2.0**30
+    limit = 90 * gib
+
+    def plan_at(budget):
+        estimate = SimpleNamespace(memory_bytes=budget, total_s=1.0)
+        return SimpleNamespace(status="feasible", ac=None, estimate=estimate,
+                               info={"memory_budget_bytes": budget, "bound_s": 1.0, "objective_s": 2.0})
+
+    hand = SimpleNamespace(fits=hand_fits, step_s=hand_step_s, memory_per_device_bytes=limit, ac=None)
+
+    def price(plan):
+        if plan == "hand":
+            return hand
+        peak = plan.info["memory_budget_bytes"] + 20 * gib
+        return SimpleNamespace(fits=peak <= limit, step_s=2.0, memory_per_device_bytes=peak, ac=None)
+
+    solved = []
+
+    def solve_again(budget, start_from, time_limit_s):
+        solved.append(budget)
+        return plan_at(budget)
+
+    prepared = SimpleNamespace(time_limit_s=60.0, finish_again=solve_again, alternatives=[])
+    planner._fit_by_schedule(prepared, plan_at(80 * gib), limit, ["hand"], price)
+    assert bool(solved) == again
+
+
 @pytest.mark.parametrize(("row_gib", "solves"), [(1.2, 0), (60.0, 1)])
 def test_the_budget_fit_tries_a_larger_budget_only_where_the_row_is_near_it(row_gib, solves):
     """A plan that fits (the solver stopped at its time limit: its bounds are no help): its memory
