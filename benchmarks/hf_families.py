@@ -72,6 +72,13 @@ planning): every auto plan <= its best hand plan, no fallback ops, 10.2-27.5 s (
 19.7 s with stop 52's main the same hour), Gemma-2 75.7 s. Qwen2-7B 1844.828 ms against 1838.967:
 the same ILP optimum (1798.249 ms), another of its tied plans, reached from the other interior
 point of the LP without the memory row (with the whole LP forced: 1838.967 again).
+Stop 56: every auto plan the same and <= its best hand plan, no fallback ops, 8.5-20.4 s; Gemma-2
+62.2 s, gap 0.3% -> 0.1%. Its budget fit's re-solve needs the whole LP (the first one's point,
+without the memory row, breaks the tighter budget), which got only what was left of the first
+LP's time, 6.4 of 27 s: it stopped, and the MIP over all 108,670 columns ran to its stall guard.
+It now gets the re-solve's own time (13.7 s to the optimum). With ``--gap 0.01`` (in-process
+timeline, the same hour): 61.8 s and a 1.912-s plan (selective AC on every layer, the MIP's) ->
+47.5 s and 1.679 s (none x 22, selective x 4).
 """
 
 from __future__ import annotations

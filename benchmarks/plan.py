@@ -426,6 +426,19 @@ freeze), what they made promoted to its oldest generation untraversed after: the
 over a whole run, 2 layers 1.50 -> 0.70 s, 32 layers 2.65 -> 0.78 s, 70B 4.22 -> 0.66 s. After
 (1)-(2) and then with (3), alternating: 2 layers 4.68, 4.91 -> 4.58, 4.76 s; 32 layers 7.04, 7.27
 -> 5.97, 5.82 s; 70B 28.69, 28.52 -> 26.01, 25.63 s (tracing 1.34 -> 1.0 s); the same plans.
+
+Stop 56: where 70B's bound would go by branching (interior-point LPs of 3.4-5.6 s each, one core,
+on the first solve's model; a /tmp script, not kept). Of the root point's fractional groups, the
+MLP's (each einsum, silu and mul 0.887 / 0.113) move together. Valid branches on its first
+projection: != its larger choice 1.74057e6; = it and the second projection = its larger choice
+1.74758e6, != it 1.78028e6: the bound over them 1.74057e6, 2.4% under the plan (1.78142e6).
+Fixing the whole MLP to its larger side (a dive, not a branch: it leaves mixes out) lifts the
+LP to 1.74791e6, where the attention's groups mix 0.609 / 0.391; each side of those fixed too,
+1.75230e6 and 1.75886e6, and their points rounded and searched give plans of 1.76655e6 and
+1.75961e6 by the ILP's objective, under the plan returned. By the step schedule neither helps:
+they run 1.970 and 1.956 s and do not fit (76.2 and 78.4 GiB), against 1.985 s for the ILP's
+solution and 1.680 s for fsdp_tp, which the planner returns. Within 1% wants those dives and a
+tree of valid branches below 1.742e6 together, a dozen such LPs: not within 30 s on two cores.
 """
 
 from __future__ import annotations
