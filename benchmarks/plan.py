@@ -439,6 +439,11 @@ LP to 1.74791e6, where the attention's groups mix 0.609 / 0.391; each side of th
 they run 1.970 and 1.956 s and do not fit (76.2 and 78.4 GiB), against 1.985 s for the ILP's
 solution and 1.680 s for fsdp_tp, which the planner returns. Within 1% wants those dives and a
 tree of valid branches below 1.742e6 together, a dozen such LPs: not within 30 s on two cores.
+A loose gap's last MIP is no longer run where reduced-cost fixing leaves more than half the
+columns (``solver.LOOSE_MIP_MAX_LEFT``; 70B: 82%): session start (085625b) and this, alternating,
+``--modes warm --gap 0.01``: 2 layers 4.44, 4.49 -> 4.48, 4.56 s; 32 layers 5.80, 5.74 -> 5.87,
+5.74 s; 70B 25.63, 25.65 -> 15.91, 16.40 s; the same plans (70B's gap 4.59% -> 4.60%: the MIP had
+lifted the bound by 0.005%).
 """
 
 from __future__ import annotations

@@ -336,6 +336,30 @@ def test_a_loose_gap_gives_the_last_mip_at_most_its_own_time(tiny, monkeypatch):
     assert loose.status in ("optimal", "feasible") and exact.status == "optimal"
 
 
+def test_a_loose_gap_runs_no_last_mip_where_fixing_leaves_most_columns(tiny, monkeypatch):
+    """Where reduced-cost fixing leaves more than ``LOOSE_MIP_MAX_LEFT`` of the columns, a loose
+    gap's solve ends after the neighbourhood, with its plan and the LP bound: the last MIP's root
+    LP would be most of the model's, by simplex. To the optimum the MIP runs."""
+    problem, mesh = tiny
+    calls = []
+    real_mip = solver._mip
+
+    def mip(*args, **kw):
+        calls.append(kw.get("loose_from"))
+        return real_mip(*args, **kw)
+
+    monkeypatch.setattr(solver, "_mip", mip)
+    monkeypatch.setattr(solver, "_within", lambda *args: False)  # no plan in hand is close enough
+    monkeypatch.setattr(solver, "LOOSE_MIP_MAX_LEFT", 0.0)  # any column left is too many
+    loose = _solve(problem, default_budget(mesh), rel_gap=10 * solver.LOOSE_GAP)
+    assert calls == [None]  # the neighbourhood alone
+    assert loose.status == "feasible" and loose.bound_s <= loose.objective_s * (1 + REL)
+    calls.clear()
+    exact = _solve(problem, default_budget(mesh))
+    assert len(calls) == 2 and exact.status == "optimal"
+    assert exact.objective_s <= loose.objective_s * (1 + REL)
+
+
 def _worse_rounding(monkeypatch) -> None:
     """Make ``round_lp`` hand back a dearer point than the LP's rounding: one one-hot group moved
     to another strategy that keeps the point feasible, and nothing fixed for the neighbourhood."""
