@@ -34,7 +34,7 @@ rows read 1.025 (8B 64 GPU; 0.994 before), 1.114 (async TP; 1.072), 1.020 (70B 2
 run again.
 
 Async TP fuses a tensor-parallel all_gather only with the matmuls that read the gathered value as
-their left operand, as PyTorch's micro-pipeline pass does (``collective_matmul.matmuls_reading``):
+their left operand, as PyTorch's micro-pipeline pass does (``ir.match.matmuls_reading``):
 their rows split into the ring's chunks. The schedule had hidden the ring behind every matmul
 reading the value in the phase, the weight gradients too (which sum over the gathered rows and
 read the gathered copy after the ring, or the shard without it), and a recomputed gather behind

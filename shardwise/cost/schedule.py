@@ -98,9 +98,8 @@ from shardwise.cost.reshard import leaves_copies, start_of_move
 from shardwise.cost.topology import MeshTopology
 from shardwise.errors import UserError
 from shardwise.ir.flops import is_view
-from shardwise.ir.match import CollectiveKind
+from shardwise.ir.match import CollectiveKind, matmuls_reading
 from shardwise.ir.trace import Phase, Traced
-from shardwise.passes.collective_matmul import matmuls_reading
 from shardwise.passes.remat import ACPolicy, AnyPolicy, recompute_plan
 from shardwise.plan.cluster import HEAD, TAIL, keeps_gathered, regions
 from shardwise.plan.costs import PlannerCosts, local_bytes
@@ -497,7 +496,7 @@ class _Scheduler:
 
     def _matmul_readers_s(self, u: fx.Node, item: _Item) -> float:
         """Time of the matmuls an all_gather of ``u`` fuses with: those of ``item``'s phase that
-        read ``u`` as their left operand (``collective_matmul.matmuls_reading``, the pattern
+        read ``u`` as their left operand (``ir.match.matmuls_reading``, the pattern
         PyTorch's micro-pipeline pass fuses too), whose rows the ring's chunks split; in a
         recomputation, the recomputed ones. A weight gradient, which sums over the gathered dim,
         reads the gathered copy after the ring."""

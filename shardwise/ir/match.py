@@ -714,3 +714,92 @@ def einsum_is_matmul(equation: str) -> bool | None:
     if n is None or n in a or out != a[:-1] + n:
         return None
     return b[1] == k
+
+
+# ---------------------------------------------------------------------------------------------
+# Matmul forms (the collective-matmul pass fuses these; the step schedule prices the fusion)
+# ---------------------------------------------------------------------------------------------
+
+class MatmulForm(enum.Enum):
+    MM = "mm"  # aten.mm(a, b), 2-D a
+    EINSUM = "einsum"  # aten.einsum("...k,kn->...n" or "...k,nk->...n", [a, b])
+    FLATTEN_MM = "flatten_mm"  # mm(view(a, [prod(batch), K]), b) [-> view(., [*batch, N])]
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """``out`` holds ``a @ b`` (after ``b.t()`` when ``transpose_b``), computed by ``nodes``.
+
+    ``out`` is ``[*batch, N]`` except for a flatten -> mm without unflatten, where it is the 2-D mm.
+    """
+
+    form: MatmulForm
+    a: fx.Node
+    b: fx.Node
+    out: fx.Node
+    nodes: tuple[fx.Node, ...]
+    transpose_b: bool = False
+
+
+def _mm_2d(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    if not is_op(node, aten.mm.default):
+        return None
+    a, b = arg_node(node, 0), arg_node(node, 1)
+    return (a, b) if a is not None and b is not None else None
+
+
+def matmul_at(node: fx.Node) -> Matmul | None:
+    """The matmul whose output is ``node``: an mm, a matmul einsum, or flatten -> mm -> unflatten."""
+    if is_op(node, aten.einsum.default):
+        tensors = list(node.args[1])
+        tb = einsum_is_matmul(node.args[0])
+        if tb is None or len(tensors) != 2 or not all(isinstance(t, fx.Node) for t in tensors):
+            return None
+        return Matmul(MatmulForm.EINSUM, tensors[0], tensors[1], node, (node,), tb)
+    mm = arg_node(node) if is_op(node, *RESHAPE_OPS) else None
+    if mm is not None and _mm_2d(mm) is not None and single_user(mm) is node:
+        flat = _mm_2d(mm)[0]
+        batch = is_flatten(flat)
+        if batch is not None and is_unflatten(node, batch):
+            return Matmul(MatmulForm.FLATTEN_MM, arg_node(flat), _mm_2d(mm)[1], node, (node, mm, flat))
+    pair = _mm_2d(node)
+    if pair is None:
+        return None
+    return Matmul(MatmulForm.MM, pair[0], pair[1], node, (node,))
+
+
+def matmuls_reading(value: fx.Node) -> list[Matmul]:
+    """Every matmul that reads ``value`` as its left operand, directly or through a flatten."""
+    found = []
+    for u in value.users:
+        if is_identity_view(u):  # a reshape to the same shape (lowering leaves these): see through
+            found.extend(matmuls_reading(u))
+            continue
+        if is_op(u, aten.mm.default, aten.einsum.default):
+            m = matmul_at(u)
+            if m is not None and m.a is value:
+                found.append(m)
+        elif is_flatten(u) is not None:
+            for mm in u.users:
+                pair = _mm_2d(mm)
+                if pair is None or pair[0] is not u:
+                    continue
+                after = single_user(mm)
+                m = matmul_at(after) if after is not None else None
+                if m is not None and m.form is MatmulForm.FLATTEN_MM and m.nodes[1] is mm:
+                    found.append(m)
+                else:  # a flatten -> mm whose 2-D output is read as is
+                    found.append(Matmul(MatmulForm.FLATTEN_MM, value, pair[1], mm, (mm, u)))
+    return [m for m in found if b_is_matrix(m)]
+
+
+def is_identity_view(node: fx.Node) -> bool:
+    """A reshape whose output has its input's shape: the same value."""
+    src = arg_node(node) if is_op(node, *RESHAPE_OPS) else None
+    return src is not None and shape(src) is not None and shape(src) == shape(node)
+
+
+def b_is_matrix(m: Matmul) -> bool:
+    """``m``'s right operand is a 2-D matrix (a weight), as the fused kernels take it."""
+    s = shape(m.b)
+    return s is not None and len(s) == 2

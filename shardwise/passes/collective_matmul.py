@@ -33,7 +33,6 @@ the other.
 
 from __future__ import annotations
 
-import enum
 import logging
 import operator
 from dataclasses import dataclass
@@ -45,20 +44,19 @@ from torch.utils._pytree import tree_map
 import shardwise.ir.ops  # noqa: F401  (registers torch.ops.shardwise.*)
 from shardwise.errors import UserError
 from shardwise.ir.match import (
-    RESHAPE_OPS,
     GatherMatch,
+    Matmul,
     ScatterMatch,
     arg_node,
+    b_is_matrix,
     depends_on,
-    einsum_is_matmul,
     erase_if_dead,
     gathered_values,
-    is_flatten,
-    is_op,
-    is_unflatten,
+    is_identity_view,
+    matmul_at,
+    matmuls_reading,
     only_used_within,
     scattered_values,
-    single_user,
     topo_index,
 )
 from shardwise.ir.meta import copy_meta, shape
@@ -73,27 +71,6 @@ REDUCE_OPS = ("sum", "avg")  # what the fused reduce-scatter implements
 MIN_GROUP_SIZE = 2  # a group of one has nothing to overlap
 
 
-class MatmulForm(enum.Enum):
-    MM = "mm"  # aten.mm(a, b), 2-D a
-    EINSUM = "einsum"  # aten.einsum("...k,kn->...n" or "...k,nk->...n", [a, b])
-    FLATTEN_MM = "flatten_mm"  # mm(view(a, [prod(batch), K]), b) [-> view(., [*batch, N])]
-
-
-@dataclass(frozen=True)
-class Matmul:
-    """``out`` holds ``a @ b`` (after ``b.t()`` when ``transpose_b``), computed by ``nodes``.
-
-    ``out`` is ``[*batch, N]`` except for a flatten -> mm without unflatten, where it is the 2-D mm.
-    """
-
-    form: MatmulForm
-    a: fx.Node
-    b: fx.Node
-    out: fx.Node
-    nodes: tuple[fx.Node, ...]
-    transpose_b: bool = False
-
-
 @dataclass(frozen=True)
 class GatherMatmulMatch:
     gather: GatherMatch
@@ -105,73 +82,6 @@ class MatmulScatterMatch:
     matmul: Matmul
     scatter: ScatterMatch
     views: tuple[fx.Node, ...] = ()  # same-shape reshapes between the matmul and the scatter
-
-
-# ---------------------------------------------------------------------------------------------
-# Matmul forms
-# ---------------------------------------------------------------------------------------------
-
-def _mm_2d(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    if not is_op(node, aten.mm.default):
-        return None
-    a, b = arg_node(node, 0), arg_node(node, 1)
-    return (a, b) if a is not None and b is not None else None
-
-
-def matmul_at(node: fx.Node) -> Matmul | None:
-    """The matmul whose output is ``node``: an mm, a matmul einsum, or flatten -> mm -> unflatten."""
-    if is_op(node, aten.einsum.default):
-        tensors = list(node.args[1])
-        tb = einsum_is_matmul(node.args[0])
-        if tb is None or len(tensors) != 2 or not all(isinstance(t, fx.Node) for t in tensors):
-            return None
-        return Matmul(MatmulForm.EINSUM, tensors[0], tensors[1], node, (node,), tb)
-    mm = arg_node(node) if is_op(node, *RESHAPE_OPS) else None
-    if mm is not None and _mm_2d(mm) is not None and single_user(mm) is node:
-        flat = _mm_2d(mm)[0]
-        batch = is_flatten(flat)
-        if batch is not None and is_unflatten(node, batch):
-            return Matmul(MatmulForm.FLATTEN_MM, arg_node(flat), _mm_2d(mm)[1], node, (node, mm, flat))
-    pair = _mm_2d(node)
-    if pair is None:
-        return None
-    return Matmul(MatmulForm.MM, pair[0], pair[1], node, (node,))
-
-
-def matmuls_reading(value: fx.Node) -> list[Matmul]:
-    """Every matmul that reads ``value`` as its left operand, directly or through a flatten."""
-    found = []
-    for u in value.users:
-        if is_identity_view(u):  # a reshape to the same shape (lowering leaves these): see through
-            found.extend(matmuls_reading(u))
-            continue
-        if is_op(u, aten.mm.default, aten.einsum.default):
-            m = matmul_at(u)
-            if m is not None and m.a is value:
-                found.append(m)
-        elif is_flatten(u) is not None:
-            for mm in u.users:
-                pair = _mm_2d(mm)
-                if pair is None or pair[0] is not u:
-                    continue
-                after = single_user(mm)
-                m = matmul_at(after) if after is not None else None
-                if m is not None and m.form is MatmulForm.FLATTEN_MM and m.nodes[1] is mm:
-                    found.append(m)
-                else:  # a flatten -> mm whose 2-D output is read as is
-                    found.append(Matmul(MatmulForm.FLATTEN_MM, value, pair[1], mm, (mm, u)))
-    return [m for m in found if _b_is_matrix(m)]
-
-
-def is_identity_view(node: fx.Node) -> bool:
-    """A reshape whose output has its input's shape: the same value."""
-    src = arg_node(node) if is_op(node, *RESHAPE_OPS) else None
-    return src is not None and shape(src) is not None and shape(src) == shape(node)
-
-
-def _b_is_matrix(m: Matmul) -> bool:
-    s = shape(m.b)
-    return s is not None and len(s) == 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +150,7 @@ def find_matmul_scatters(graph: fx.Graph) -> list[MatmulScatterMatch]:
             views.append(src)
             src = arg_node(src)
         m = matmul_at(src)
-        if m is None or not _b_is_matrix(m):
+        if m is None or not b_is_matrix(m):
             continue  # the scattered value is no matmul
         if not group_is_fusable(s.group_size):
             _skip(s.value_node, f"group size {s.group_size} is unknown or < {MIN_GROUP_SIZE}")

@@ -1084,9 +1084,13 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
             incumbent = found[-1]
     log.debug("neighbourhood MIP: %s %.6g", rins.status, rins.objective)
     upper = float(cost @ incumbent) if incumbent is not None else math.inf
-    if _within(incumbent, cost, lp.bound, rel_gap):  # close enough: no (more) MIP
-        return Solved("feasible", upper, lp.bound, incumbent, columns=searched.columns,
-                      bound_any_budget=lp.any_budget, alternatives=_others(found, incumbent, integer))
+
+    def stand(columns: int) -> Solved:  # the incumbent, with no (more) MIP
+        return Solved("feasible", upper, lp.bound, incumbent, columns=columns, bound_any_budget=lp.any_budget,
+                      alternatives=_others(found, incumbent, integer))
+
+    if _within(incumbent, cost, lp.bound, rel_gap):  # close enough
+        return stand(searched.columns)
     fixable = integer.copy()
     fixable[list(m.ends)] = True
     for flow in m.flows:
@@ -1096,17 +1100,16 @@ def solve_by_lp_bound(m: Model, unit: float, time_limit_s: float, start: np.ndar
         fixed &= incumbent <= 0.5  # the incumbent stays a point
     ub[fixed] = 0.0
     restrict_flows(m, ub)
-    fixed = ub == 0.0
+    columns = int((ub > 0.0).sum())
     left = max(0.0, deadline - time.perf_counter())
     loose = rel_gap >= LOOSE_GAP
-    if loose and incumbent is not None and (~fixed).mean() > LOOSE_MIP_MAX_LEFT:
-        log.debug("no MIP after the neighbourhood: %d of %d columns left", int((~fixed).sum()), len(fixed))
-        return Solved("feasible", upper, lp.bound, incumbent, columns=int((~fixed).sum()),
-                      bound_any_budget=lp.any_budget, alternatives=_others(found, incumbent, integer))
+    if loose and incumbent is not None and columns > LOOSE_MIP_MAX_LEFT * len(ub):
+        log.debug("no MIP after the neighbourhood: %d of %d columns left", columns, len(ub))
+        return stand(columns)
     done = _mip(m, unit, min(left, LOOSE_MIP_S) if loose else left, incumbent, ub, rel_gap=rel_gap,
                 loose_from=lp.bound if loose else None)
     done.bound = max(done.bound, lp.bound)
-    done.columns = int((~fixed).sum())
+    done.columns = columns
     if done.solution is None and incumbent is not None:  # out of time: the incumbent stands
         done = Solved("feasible", upper, lp.bound, incumbent, columns=done.columns)
     done.bound_any_budget = lp.any_budget

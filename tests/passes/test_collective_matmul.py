@@ -11,8 +11,11 @@ from torch import fx
 from shardwise.errors import UserError
 from shardwise.ir.flops import node_flops
 from shardwise.ir.match import (
+    einsum_is_matmul,
     gathered_value,
     gathered_values,
+    matmul_at,
+    matmuls_reading,
     piece_of,
     scattered_values,
 )
@@ -133,7 +136,7 @@ def test_reduce_scatter_input_with_other_readers_is_left_alone() -> None:
     case = next(c for c in g.CASES if c.name == "rs_input_with_other_user")
     gm = g.trace_case(case, 2)
     (s,) = scattered_values(gm.graph)
-    m = cm.matmul_at(s.input_value)
+    m = matmul_at(s.input_value)
     assert m is not None and not cm.scatter_input_private(m, s)
     assert cm.apply(gm) == 0
 
@@ -142,8 +145,8 @@ def test_b_that_reads_the_gather_is_refused() -> None:
     ensure_fake_world(2)
     case = next(c for c in g.CASES if c.name == "ag_b_depends_on_gather")
     gm = g.trace_case(case, 2)
-    (gm_match,) = [m for m in gathered_values(gm.graph) if cm.matmuls_reading(m.value_node)]
-    (mm,) = cm.matmuls_reading(gm_match.value_node)
+    (gm_match,) = [m for m in gathered_values(gm.graph) if matmuls_reading(m.value_node)]
+    (mm,) = matmuls_reading(gm_match.value_node)
     assert not cm.b_independent_of_gather(mm, gm_match)
 
 
@@ -166,7 +169,7 @@ def test_reassembly_with_outside_reader_is_not_private() -> None:
     ("bsk,kn->bns", None), ("bsk,bkn->bsn", None), ("bsn,bsk->nk", None), ("...k,kn->...n", None),
 ])
 def test_einsum_is_matmul(eq: str, expected: bool | None) -> None:
-    assert cm.einsum_is_matmul(eq) is expected
+    assert einsum_is_matmul(eq) is expected
 
 
 @pytest.mark.parametrize("eq, expected", [
