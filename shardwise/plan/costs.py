@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,8 +143,10 @@ class PlannerCosts:
         """Each move's time (``move_times``) split in two, shape (srcs, dsts, 2): the share of
         the collectives that run as soon as the move is issued, and of those that queue on the
         innermost mesh dim's stream behind an earlier collective of the move (a move through
-        several mesh dims is a chain: each collective starts when the one before ends). 0 for a
-        free or impossible move."""
+        several mesh dims is a chain: each collective starts when the one before ends). The
+        first is the larger of its mesh dims' parts, not their sum: a block's gathers pipeline
+        over the dims' streams (one's tp collective beside the one before's dp collective), so
+        each stream is busy for its own part. 0 for a free or impossible move."""
         key = (tuple(map(id, srcs)), tuple(map(id, dsts)), val.shape, val.dtype)
         hit = self._shares_cache.get(key)
         if hit is None:
@@ -156,8 +159,13 @@ class PlannerCosts:
                         continue
                     uses = cost.collectives
                     times = [self.topology.collective_time(u.kind, u.bytes, u.mesh_dim) for u in uses]
-                    queued = sum(t for t, u in zip(times[1:], uses[1:], strict=True) if u.mesh_dim == inner)
-                    shares[i, j] = (sum(times) - queued, queued)
+                    later = [k > 0 and u.mesh_dim == inner for k, u in enumerate(uses)]
+                    queued = sum(t for t, q in zip(times, later, strict=True) if q)
+                    per_dim: dict[int, float] = defaultdict(float)
+                    for t, u, q in zip(times, uses, later, strict=True):
+                        if not q:
+                            per_dim[u.mesh_dim] += t
+                    shares[i, j] = (max(per_dim.values()), queued)
                     shares[i, j] /= sum(times)
             hit = self._shares_cache[key] = (srcs, dsts, shares)
         return hit[2]

@@ -296,6 +296,16 @@ class IlpModel:
             raise ValueError("this placement ILP has no memory row")
         self.m.row_ub[self.m.memory_row] = float(memory_budget) / MEMORY_UNIT_BYTES
 
+    def point(self, choice: dict[fx.Node, int], ac: ACChoice | None = None) -> np.ndarray:
+        """The complete point of the model at ``choice`` (deciding representative -> strategy
+        index) with activation checkpointing ``ac`` (``_start_vector``)."""
+        return _start_vector(self.m, self.deciding, choice, self.one, self.checkpointing, ac)
+
+    def price(self, val: np.ndarray) -> float:
+        """The objective (seconds) at the complete point ``val``: the schedule objective's
+        maximum form (``ScheduleObjective.value``), else the serial cost."""
+        return float(np.dot(self.m.cost, val)) if self.schedule is None else self.schedule.value(val)
+
     def start_lp(self, time_limit_s: float, rel_gap: float = MIP_REL_GAP) -> None:
         """Start the LP relaxation that the schedule objective's solve begins with, in a
         background thread, so that the caller's next work overlaps it (``solver.LpRun``)."""
@@ -479,8 +489,7 @@ def solve_built(model: IlpModel, *, time_limit_s: float = 60.0, start: dict[fx.N
     ``pricing=False``: HiGHS gets the whole model at once (``solver.py``). ``rel_gap``: the
     solver may stop at a plan within this relative gap of its bound (the default: the
     optimum)."""
-    m, deciding, one, schedule, checkpointing = (model.m, model.deciding, model.one, model.schedule,
-                                                 model.checkpointing)
+    m, schedule = model.m, model.schedule
     mem_terms, min_mem, build_s = model.mem_terms, model.min_mem, model.build_s
     t1 = time.perf_counter()
     start_val, start_s, start_index = None, None, None
@@ -488,12 +497,12 @@ def solve_built(model: IlpModel, *, time_limit_s: float = 60.0, start: dict[fx.N
     candidates += list(more_starts)
     broken = []
     for i, (choice, ac) in enumerate(candidates):
-        val = _start_vector(m, deciding, choice, one, checkpointing, ac)
+        val = model.point(choice, ac)
         bad = violated_rows(m, val)
         if bad:
             broken.append(bad)
             continue
-        price = float(np.dot(m.cost, val)) if schedule is None else schedule.value(val)
+        price = model.price(val)
         if start_s is None or price < start_s:
             start_val, start_s, start_index = val, price, i
     if start_val is None and broken:

@@ -25,8 +25,13 @@ every copy. Each cost term of the ILP goes to a block and a load:
   layers over 8x8, the ILP's plan gathered wo over dp then tp, HIDDEN all: 0.3688 s a step by
   the schedule, which stalled each layer's forward 2.2 ms behind the next layer's gathers,
   against 0.3214 s for the plan chosen since. A later collective on the outer dim stays
-  HIDDEN: FSDP over both dims gathers over tp first, and its gathers pipeline over the two
-  streams.) A parameter and its transposes are one producer
+  HIDDEN: FSDP over both dims gathers over tp first, and the gathers of a block pipeline over
+  the two streams, each busy with its own collectives, so a chain is HIDDEN at its larger
+  stream's part, not at the sum (``move_shares``; llama-tiny, 2 layers over 2x2, fsdp:
+  objective / schedule 1.218 -> 1.030, the auto plan 0.7711 -> 0.7682 ms by the schedule). Not
+  so its gradient's reduce_scatters over both dims: charged so, the ILP chose plans whose tp
+  reductions delay the backward's exposed tp collectives (llama3-8b, 2 layers over 8x8:
+  48.1 -> 62.8 ms).) A parameter and its transposes are one producer
   (``ilp.py``: the backward reads a weight as t(t(w)), the forward as t(w)). Not so for the
   blocks FSDP2 keeps gathered from the forward to the backward, as the schedule does: the last
   layer and the root pay a placement once over both phases, their backward only for one the
@@ -81,8 +86,8 @@ recomputation repeats. What they amount to, block by block (``benchmarks/objecti
   prefetched gathers have arrived (the head's block: 30.1 ms against 23.3 ms);
 - collectives on different mesh dims run at once on their streams, the objective adds them (the
   tail's backward: an all_to_all over dp and an all_gather over tp of the logits' gradient,
-  10.9 and 10.6 ms side by side: 33.1 ms against about 23 ms); the same makes FSDP over both
-  dims of a 2x2 mesh 23% dearer by the objective (its gathers pipeline over the two streams);
+  10.9 and 10.6 ms side by side: 33.1 ms against about 23 ms); the same made FSDP over both
+  dims of a 2x2 mesh 23% dearer by the objective before its gathers were priced per stream;
 - a queue carried over: the backward's gather of the output weight (21.8 ms, queued behind the
   forward's) delays the backward's first kernel by 23 ms after the forward's last; the
   objective charges it in the forward tail's block, where it is about as long.
@@ -144,7 +149,7 @@ prefetches explicitly, ahead of the layer's own collectives, and the stall stays
 
 Exact where a plan has one stream's worth of communication: on one device the objective is
 the schedule's step (tests/plan/test_objective.py); on 1-D meshes the auto plan is within 1%
-of it and DDP within 3%; on 2x2 every hand plan within 30% (``ENVELOPE`` there).
+of it and DDP within 3%; on 2x2 every hand plan within 10% (``ENVELOPE`` there).
 """
 
 from __future__ import annotations
@@ -357,7 +362,7 @@ class ScheduleObjective:
             # innermost dim queues on that stream when the one before ends, in the middle of the
             # block before the readers', ahead of that block's own collectives, which its kernels
             # wait for (the step schedule's streams run in issue order): exposed there.
-            head = 1.0 if shares is None else shares[0]
+            head, queued = (1.0, 0.0) if shares is None else shares
             # The copies of the readers' block these producers stand for: a cluster's copies in
             # the last layer keep their gathers, the others do not (``kept``).
             copies = self._copies(self._block(v))
@@ -366,8 +371,8 @@ class ScheduleObjective:
                 before = self.pred.get(c)
                 at, load = (c, Load.EXPOSED) if before is None else (before, Load.HIDDEN)
                 self._add(at, load, col, head * seconds / len(copies))
-                if head < 1.0:
-                    self._add(at, Load.EXPOSED, col, (1.0 - head) * seconds / len(copies))
+                if queued > 0.0:
+                    self._add(at, Load.EXPOSED, col, queued * seconds / len(copies))
         else:
             self._add(self._block(v if j >= 0 else u), Load.EXPOSED, col, seconds)
 
