@@ -8,12 +8,16 @@ descriptor 1 elsewhere for the duration of a block and restore it afterwards, ev
   ``--json`` command in it, then prints the one JSON object to the real stdout);
 - ``native_stdout_silenced()``: descriptor 1 goes to the null device (the ILP builds its solver
   inside it, dropping the banner; Python's own ``sys.stdout`` is left alone).
+
+And a library's logger that speaks on stderr of what shardwise reports itself is held quiet for
+a block (``quiet_logger``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -65,3 +69,14 @@ def native_stdout_silenced() -> Iterator[None]:
             yield
     finally:
         os.close(null)
+
+
+@contextlib.contextmanager
+def quiet_logger(logger: logging.Logger, level: int = logging.ERROR) -> Iterator[None]:
+    """``logger``'s records below ``level`` dropped while the block runs."""
+    saved = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)

@@ -10,6 +10,7 @@ inputs. Everything runs under a ``FakeTensorMode``: no parameter memory is ever 
 from __future__ import annotations
 
 import enum
+import logging
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,8 +29,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from shardwise.errors import UserError, first_line
 from shardwise.gcpause import paused_gc
 from shardwise.ir.stamp import StampRefused
+from shardwise.stdio import quiet_logger
 
 T = TypeVar("T")
+# Logs a fake kernel's failure with its traceback, on stderr, before the error is raised.
+FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 
 
 class Phase(enum.Enum):
@@ -281,7 +285,10 @@ def trace(
         # its code once per pass (seconds each at 32 layers) for a graph nobody runs here.
         with _use_lazy_graph_module(True), fx_traceback.preserve_node_meta():
             try:
-                gm = make_fx(step, tracing_mode="real", record_module_stack=True)(*params, *inputs)
+                # A failing op's fake kernel is logged with its traceback before it raises: the
+                # error below says it in one sentence instead.
+                with quiet_logger(FAKE_TENSOR_LOG, logging.CRITICAL):
+                    gm = make_fx(step, tracing_mode="real", record_module_stack=True)(*params, *inputs)
             except (UserError, StampRefused):
                 raise
             except Exception as e:

@@ -72,6 +72,7 @@ from shardwise.ir.trace import Phase, Traced
 from shardwise.mesh import Mesh, destroy_world
 from shardwise.plan.placement import Placements, placements_str
 from shardwise.plan.plan import CollectiveCount, Plan, graph_fingerprint, tensor_args
+from shardwise.stdio import quiet_logger
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +88,6 @@ GROUP_NAME_ARG = "group_name"
 # mesh would merge them; the planner prices them so (``cost/reshard.py``), and the lowering traces
 # each such move once per program: the warning says nothing the plan does not.
 REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
-
-
-@contextlib.contextmanager
-def _quiet(logger: logging.Logger) -> Iterator[None]:
-    """``logger``'s warnings silenced while the block runs."""
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +343,7 @@ class _Lowerer(fx.Interpreter):
         start = start_of_move(tuple(v.placements), kept, want, shape, itemsize, self.topology)
         v = kept.get(start, v)
         hops, _ = reshard_path(start, want, shape, itemsize, self.topology)
-        with _quiet(REDISTRIBUTE_LOG):
+        with quiet_logger(REDISTRIBUTE_LOG):
             for hop in hops:
                 v = v.redistribute(self.mesh, hop)
                 if copies is not None:

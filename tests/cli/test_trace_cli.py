@@ -95,3 +95,19 @@ def test_console_entry_point_exits_2_without_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "known models" in proc.stderr
     assert proc.stdout == ""
+
+
+def test_a_config_whose_forward_fails_on_fake_tensors_is_one_sentence(tmp_path):
+    """A config transformers builds but whose shapes disagree (Helium's head_dim is 128 unless
+    given: 4 heads of a 64-wide model project to 512) fails in an op's fake kernel, which torch
+    logs on stderr with its traceback before raising: the command says it in one sentence."""
+    config = tmp_path / "helium.json"
+    config.write_text(json.dumps({"model_type": "helium", "hidden_size": 64, "intermediate_size": 128,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+                                  "vocab_size": 256, "max_position_embeddings": 64}))
+    argv = ["trace", "--model", f"hf:{config}", "--batch", "2", "--seq", "16", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "shardwise", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    err = proc.stderr.strip()
+    assert "cannot be traced on fake tensors" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
