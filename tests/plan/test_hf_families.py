@@ -21,6 +21,7 @@ from shardwise.passes.pipeline import canonicalize
 from shardwise.plan.baselines import baseline_spec
 from shardwise.plan.cluster import cluster
 from shardwise.plan.planner import NO_PLAN, plan_with_baselines
+from shardwise.plan.strategies import enumerate_strategies
 from tests.helpers import BLOOM_TINY, DATA
 
 FAMILIES = ("phi3.json", "qwen2_7b.json", "gemma_2b.json", "gemma2_2b.json", "gpt2.json", "pythia_1b4.json",
@@ -109,3 +110,47 @@ def test_megatron_roles_by_module_name_and_stored_layout(family, module, role, t
     spec = baseline_spec("fsdp_tp", tr, MESH)
     name = next(p for p in tr.params if p.endswith("." + module))
     assert spec.fixed[tr.params[name]][MESH.dim("tp")] == role
+
+
+# Tiny configs of more families, each with something of its own: a norm on q and k (Qwen3,
+# OLMo-2, Cohere's parallel block, EXAONE-4), parallel attention and MLP (Falcon, GPT-J, CodeGen,
+# Cohere), multi-query attention (GPT-BigCode, Falcon), ALiBi (MPT), LayerNorm without parameters
+# (OLMo), learned positions (OPT) or sinusoidal ones (XGLM), scaled logits and residuals
+# (Granite), partial rotary (StableLM, GPT-J), sliding-window layers (Mistral, Gemma-3).
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 1, "vocab_size": 256, "max_position_embeddings": 64}
+GPT2_LIKE = NAMED_OTHERWISE["gpt2"]
+MORE_FAMILIES = {
+    "mistral": SMALL,
+    "qwen3": {**SMALL, "head_dim": 16},
+    "olmo": SMALL,
+    "olmo2": SMALL,
+    "starcoder2": SMALL,
+    "stablelm": SMALL,
+    "cohere": SMALL,
+    "granite": SMALL,
+    "exaone4": {**SMALL, "layer_types": ["full_attention"]},
+    "gemma3_text": {**SMALL, "num_key_value_heads": 1, "head_dim": 16, "layer_types": ["sliding_attention"],
+                    "pad_token_id": 0},
+    "falcon": {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 256},
+    "gpt_bigcode": GPT2_LIKE,
+    "gptj": {**GPT2_LIKE, "rotary_dim": 8},
+    "codegen": {**GPT2_LIKE, "rotary_dim": 8},
+    "mpt": {"d_model": 64, "n_heads": 4, "n_layers": 1, "vocab_size": 256, "max_seq_len": 64},
+    "opt": {"hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4, "num_hidden_layers": 1,
+            "vocab_size": 256, "max_position_embeddings": 64, "word_embed_proj_dim": 64},
+    "xglm": {"d_model": 64, "ffn_dim": 128, "attention_heads": 4, "num_layers": 1, "vocab_size": 256,
+             "max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_more_families_have_a_strategy_for_every_op(family, tmp_path):
+    """Every op of these families' training step (one layer, on the 2x2 mesh) has sharding
+    strategies of its own: none is planned replicated for want of one (``fallback``)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": family, **MORE_FAMILIES[family]}))
+    tr = trace_model(f"hf:{config}", layers=1, batch=4, seq=64)
+    canonicalize(tr)
+    strategies = enumerate_strategies(tr.gm, MESH.device_mesh())
+    assert sorted({str(n.target) for n, st in strategies.items() if st.fallback}) == []
