@@ -139,15 +139,18 @@ class PlannerCosts:
             hit = self._matrix_cache[key] = (srcs, dsts, times)  # srcs/dsts keep their ids theirs
         return hit[2]
 
-    def move_shares(self, srcs: list[Placements], dsts: list[Placements], val: torch.Tensor) -> np.ndarray:
+    def move_shares(self, srcs: list[Placements], dsts: list[Placements], val: torch.Tensor,
+                    pipelined: bool = True) -> np.ndarray:
         """Each move's time (``move_times``) split in two, shape (srcs, dsts, 2): the share of
         the collectives that run as soon as the move is issued, and of those that queue on the
         innermost mesh dim's stream behind an earlier collective of the move (a move through
-        several mesh dims is a chain: each collective starts when the one before ends). The
-        first is the larger of its mesh dims' parts, not their sum: a block's gathers pipeline
-        over the dims' streams (one's tp collective beside the one before's dp collective), so
-        each stream is busy for its own part. 0 for a free or impossible move."""
-        key = (tuple(map(id, srcs)), tuple(map(id, dsts)), val.shape, val.dtype)
+        several mesh dims is a chain: each collective starts when the one before ends). With
+        ``pipelined`` (issued under the block before its readers'), the first is the larger of its
+        mesh dims' parts, not their sum: a block's gathers pipeline over the dims' streams (one's
+        tp collective beside the one before's dp collective), so each stream is busy for its own
+        part; the first block's readers wait for their chains whole. 0 for a free or impossible
+        move."""
+        key = (tuple(map(id, srcs)), tuple(map(id, dsts)), val.shape, val.dtype, pipelined)
         hit = self._shares_cache.get(key)
         if hit is None:
             inner = len(self.mesh_shape) - 1
@@ -165,7 +168,7 @@ class PlannerCosts:
                     for t, u, q in zip(times, uses, later, strict=True):
                         if not q:
                             per_dim[u.mesh_dim] += t
-                    shares[i, j] = (max(per_dim.values()), queued)
+                    shares[i, j] = (max(per_dim.values()) if pipelined else sum(per_dim.values()), queued)
                     shares[i, j] /= sum(times)
             hit = self._shares_cache[key] = (srcs, dsts, shares)
         return hit[2]

@@ -407,7 +407,7 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
         if schedule is not None and schedule.prefetched(u, j):  # split by ``shares``: transport
             srcs, dsts = list(supply), list(demand)
             moves[(u, v, j)] = _add_edge(m, supply, demand, costs.move_times(srcs, dsts, val),
-                                         costs.move_shares(srcs, dsts, val))
+                                         costs.move_shares(srcs, dsts, val, schedule.pipelined(v)))
         else:
             pending[(u, v, j)] = (supply, demand, val)
     if schedule is not None:

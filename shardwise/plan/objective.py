@@ -28,8 +28,10 @@ every copy. Each cost term of the ILP goes to a block and a load:
   HIDDEN: FSDP over both dims gathers over tp first, and the gathers of a block pipeline over
   the two streams, each busy with its own collectives, so a chain is HIDDEN at its larger
   stream's part, not at the sum (``move_shares``; llama-tiny, 2 layers over 2x2, fsdp:
-  objective / schedule 1.218 -> 1.030, the auto plan 0.7711 -> 0.7682 ms by the schedule). Not
-  so its gradient's reduce_scatters over both dims: charged so, the ILP chose plans whose tp
+  objective / schedule 1.218 -> 1.040, the auto plan 0.7711 -> 0.7682 ms by the schedule); the
+  first block's, EXPOSED, at the sum: its readers wait for each chain whole (priced at the
+  larger part, GPT-2's auto plan gathered its tied embedding over both dims there, 23.37 ->
+  23.70 ms). Not so its gradient's reduce_scatters over both dims: charged so, the ILP chose plans whose tp
   reductions delay the backward's exposed tp collectives (llama3-8b, 2 layers over 8x8:
   48.1 -> 62.8 ms).) A parameter and its transposes are one producer
   (``ilp.py``: the backward reads a weight as t(t(w)), the forward as t(w)). Not so for the
@@ -380,6 +382,11 @@ class ScheduleObjective:
         """A move of ``u`` into argument ``j`` of its reader is issued a block ahead (a
         parameter's gather): the only moves ``charge`` splits by ``shares``."""
         return j >= 0 and self._is_param(u)
+
+    def pipelined(self, v: fx.Node) -> bool:
+        """A prefetched move for reader ``v`` is issued under the block before ``v``'s, with that
+        block's other gathers, not before the first block (``PlannerCosts.move_shares``)."""
+        return all(c in self.pred for c in self._copies(self._block(v)))
 
     def charge_recompute(self, col: int, seconds: float, node: fx.Node) -> None:
         """``seconds`` (every copy's) on column ``col`` for running forward ``node`` again at the

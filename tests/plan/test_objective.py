@@ -78,8 +78,9 @@ def test_a_move_s_share_queued_on_the_inner_dim(src, dims):
     """(S(0), S(1)) -> (R, R) gathers over dp, then over tp: the tp gather waits for the dp one.
     (S(0), S(0)) -> (R, R) gathers an eighth over tp, then over dp, then the whole over tp
     (``cost/reshard.hop_tree``): the first tp gather runs at once, the last one waits. What runs
-    at once is priced at its larger mesh dim's part: a block's chains pipeline over the dims'
-    streams."""
+    at once is priced at its larger mesh dim's part where it is issued under the block before
+    its readers' (a block's chains pipeline over the dims' streams), whole before the first
+    block."""
     costs = PlannerCosts((8, 8), get_hardware("h100"))
     val = torch.empty((4096, 4096), dtype=torch.bfloat16, device="meta")
     parse = {"S(0)": Shard(0), "S(1)": Shard(1)}
@@ -94,6 +95,8 @@ def test_a_move_s_share_queued_on_the_inner_dim(src, dims):
         at_once[u.mesh_dim] = at_once.get(u.mesh_dim, 0.0) + t
     assert first == pytest.approx(max(at_once.values()) / sum(times))
     assert (first + later == pytest.approx(1.0)) == (len(at_once) == 1)
+    first, later = costs.move_shares(srcs, dsts, val, pipelined=False)[0, 0]
+    assert first + later == pytest.approx(1.0)
 
 
 def test_a_plan_without_collectives_is_priced_as_the_schedule_prices_it():
