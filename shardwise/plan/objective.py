@@ -31,9 +31,11 @@ every copy. Each cost term of the ILP goes to a block and a load:
   objective / schedule 1.218 -> 1.040, the auto plan 0.7711 -> 0.7682 ms by the schedule).
   The first block's chains are EXPOSED at the sum: its readers wait for each one whole (priced
   at the larger part, GPT-2's auto plan gathered its tied embedding over both dims there,
-  23.37 -> 23.70 ms). Not so a gradient's reduce_scatters over both dims: priced at the larger
-  part, the ILP chose plans whose tp reductions delay the backward's exposed tp collectives
-  (llama3-8b, 2 layers over 8x8: 48.1 -> 62.8 ms).) A parameter and its transposes are one producer
+  23.37 -> 23.70 ms). Not so a gradient's reduce_scatters over both dims: one large chain
+  pipelines with nothing (priced at the larger part, the ILP on llama3-8b, 2 layers over 8x8,
+  reduced the output weight's gradient over tp then dp; its tp reduce_scatter ran in the tail's
+  backward ahead of the tail's exposed tp collectives, that block's tp stream 10.7 -> 16.0 ms,
+  the step 48.1 -> 62.8 ms).) A parameter and its transposes are one producer
   (``ilp.py``: the backward reads a weight as t(t(w)), the forward as t(w)). Not so for the
   blocks FSDP2 keeps gathered from the forward to the backward, as the schedule does: the last
   layer and the root pay a placement once over both phases, their backward only for one the
