@@ -31,7 +31,13 @@ every copy. Each cost term of the ILP goes to a block and a load:
   objective / schedule 1.218 -> 1.040, the auto plan 0.7711 -> 0.7682 ms by the schedule).
   The first block's chains are EXPOSED at the sum: its readers wait for each one whole (priced
   at the larger part, GPT-2's auto plan gathered its tied embedding over both dims there,
-  23.37 -> 23.70 ms). Not so a gradient's reduce_scatters over both dims: one large chain
+  23.37 -> 23.70 ms). A block's chains pipeline but for one chain's fill, its smaller part,
+  which the block waits for once: unpriced, so a block whose one large chain outlasts the
+  block before's compute is priced short (Bloom-560m over 2x4, its tied 250k-word head gathered
+  over both dims: 205.87 -> 206.29 ms by the schedule). A variable per block at the largest fill
+  of its chains (a row per chain column) priced it (205.87 ms again), but the rows made the
+  solves slower (GPT-2 over 2x4 10 -> 22 s, Gemma over 2x4 19 -> 47 s and stopped at its
+  limit): not kept. Not so a gradient's reduce_scatters over both dims: one large chain
   pipelines with nothing (priced at the larger part, the ILP on llama3-8b, 2 layers over 8x8,
   reduced the output weight's gradient over tp then dp; its tp reduce_scatter ran in the tail's
   backward ahead of the tail's exposed tp collectives, that block's tp stream 10.7 -> 16.0 ms,
