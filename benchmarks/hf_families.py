@@ -79,6 +79,14 @@ LP's time, 6.4 of 27 s: it stopped, and the MIP over all 108,670 columns ran to 
 It now gets the re-solve's own time (13.7 s to the optimum). With ``--gap 0.01`` (in-process
 timeline, the same hour): 61.8 s and a 1.912-s plan (selective AC on every layer, the MIP's) ->
 47.5 s and 1.679 s (none x 22, selective x 4).
+Stop 57 (a gather chained over both mesh dims hidden at its larger stream's part,
+``PlannerCosts.move_shares``; hand plans whose free choices the serial objective made priced by
+the auto ILP's): every auto plan <= its best hand plan, no fallback ops, 10.8-24.1 s, Gemma-2
+65.1 s (71.8 s for stop 56's code the same hour: this machine was slower than at stop 56).
+Faster plans: phi3 2 layers 43.428 -> 43.397 ms, Qwen2-7B 1844.828 -> 1838.967, gemma 664.618 ->
+658.662, Gemma-2 1687.444 -> 1681.168; the same: phi3 32 layers 498.423, gpt2 23.373 (23.372);
+slower: pythia 378.988 -> 379.048, bloom 205.866 -> 206.292 (one large chain's fill, unpriced:
+``plan/objective.py``).
 """
 
 from __future__ import annotations
