@@ -82,7 +82,8 @@ timeline, the same hour): 61.8 s and a 1.912-s plan (selective AC on every layer
 Stop 57 (a gather chained over both mesh dims hidden at its larger stream's part,
 ``PlannerCosts.move_shares``; hand plans whose free choices the serial objective made priced by
 the auto ILP's): every auto plan <= its best hand plan, no fallback ops, 10.8-24.1 s, Gemma-2
-65.1 s (71.8 s for stop 56's code the same hour: this machine was slower than at stop 56).
+65.1 s (stop 56's code took 72.9 s by the CLI at this session's start: the machine was slower
+than at stop 56).
 Faster plans: phi3 2 layers 43.428 -> 43.397 ms, Qwen2-7B 1844.828 -> 1838.967, gemma 664.618 ->
 658.662, Gemma-2 1687.444 -> 1681.168; the same: phi3 32 layers 498.423, gpt2 23.373 (23.372);
 slower: pythia 378.988 -> 379.048, bloom 205.866 -> 206.292 (one large chain's fill, unpriced:
