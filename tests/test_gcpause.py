@@ -56,7 +56,10 @@ def test_the_processs_own_frozen_objects_stay_frozen(collector_on):
         assert frozen > 0
         with paused_gc():
             pass
-        assert gc.get_freeze_count() == frozen  # not unfrozen into the oldest generation
+        # Not unfrozen into the oldest generation (0), nor frozen again with more (> frozen);
+        # frozen objects that die meanwhile leave it (another test's solver thread may still
+        # drop some: the suite saw 1315450 of 1315452).
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
