@@ -287,7 +287,7 @@ def _print_report(traced, plan, out: dict, mesh) -> None:
     con = Console()
     status = plan.status
     if plan.status != "optimal":
-        status += (f" (MIP gap {plan.mip_gap:.2%}: the optimum is at least "
+        status += (f" (MIP gap {plan.mip_gap:.2%}: no plan's ILP objective is below "
                    f"{plan.info['bound_s'] * 1e3:.2f} ms)")
     if plan.info.get("started_from"):
         status += f", started from {plan.info['started_from']}"

@@ -61,14 +61,24 @@ def test_a_hand_plan_faster_by_the_schedule_replaces_the_ilp_solution(tiny, hand
     priced = {n: price_plan(tiny, b, MESH, {}).step_s for n, b in hand.items()}
     slowest, fastest = max(priced, key=priced.get), min(priced, key=priced.get)
     assert priced[fastest] < priced[slowest]
-    solution = replace(hand[slowest], name="auto",
-                       info={**hand[slowest].info, "admissible": list(hand)})
+    # An optimal solution cheaper by the objective than every hand plan, its bound its own price.
+    cheapest = 0.5 * min(b.info["objective_s"] for b in hand.values())
+    solution = replace(hand[slowest], name="auto", status="optimal", mip_gap=0.0,
+                       info={**hand[slowest].info, "admissible": list(hand), "objective_s": cheapest,
+                             "bound_s": cheapest})
     chosen = _fastest_by_schedule(tiny, MESH, solution, hand, {})
     assert chosen.name == "auto" and chosen.info["chosen_from"] == fastest
     assert chosen.params == hand[fastest].params and chosen.nodes == hand[fastest].nodes
     assert chosen.info["schedule"]["step_s"] == pytest.approx(priced[fastest], rel=1e-12)
     assert chosen.info["ilp_solution"]["step_s"] == pytest.approx(priced[slowest], rel=1e-12)
     assert price_plan(tiny, chosen, MESH, {}).step_s == pytest.approx(priced[fastest], rel=1e-12)
+    # Objective, bound and gap are the plan's own; the solution's are kept beside it.
+    objective = hand[fastest].info["objective_s"]
+    assert chosen.info["objective_s"] == objective and chosen.info["bound_s"] == cheapest
+    assert chosen.mip_gap == pytest.approx(1 - cheapest / objective, rel=1e-12)
+    assert chosen.status == "feasible"  # dearer by the objective than the optimum it replaced
+    kept = chosen.info["ilp_solution"]
+    assert (kept["objective_s"], kept["status"], kept["mip_gap"]) == (cheapest, "optimal", 0.0)
 
 
 def test_a_hand_plan_that_is_no_point_of_the_ilp_is_not_chosen(tiny, hand):
