@@ -197,7 +197,8 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
     out["chosen_from"] = plan.info.get("chosen_from", "ilp")
     if "ilp_solution" in plan.info:
         solution = plan.info["ilp_solution"]
-        out["plans"]["ilp"] = schedule_row(solution, solution["objective_s"])
+        out["plans"]["ilp"] = {**schedule_row(solution, solution["objective_s"]),
+                               "status": solution["status"], "mip_gap": solution["mip_gap"]}
     # Each hand plan's step time by the measure the auto plan is chosen by (the schedule when
     # training, the node-by-node sum otherwise).
     baselines = {name: row["step_s"] if row is not None else None
