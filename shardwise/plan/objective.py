@@ -41,7 +41,15 @@ every copy. Each cost term of the ILP goes to a block and a load:
   pipelines with nothing (priced at the larger part, the ILP on llama3-8b, 2 layers over 8x8,
   reduced the output weight's gradient over tp then dp; its tp reduce_scatter ran in the tail's
   backward ahead of the tail's exposed tp collectives, that block's tp stream 10.7 -> 16.0 ms,
-  the step 48.1 -> 62.8 ms).) A parameter and its transposes are one producer
+  the step 48.1 -> 62.8 ms). Priced so for the layers' gradients alone, the tail's whole, the
+  plans over 8x8 got slower still: 2 layers 48.1 -> 56.7 ms, 32 layers 355.0 -> 417.7 ms, and
+  the same with a row more per block for the reductions' parts on the inner dim (w[b] >= them:
+  they queue with its exposed collectives). Yet FSDP over a 2x2 mesh is priced at 1.25x its step
+  without it (StableLM's defaults at 256 wide, 2 layers, batch 4 x 256: 0.982 against 0.786 ms;
+  1.016 with it): its layers' backward reductions, dp then tp, run on the two streams side by
+  side in the schedule. There both dims are inside one node, where the two streams' collectives
+  share the NVLink fabric, which the schedule does not model; the sum may be nearer a real run.)
+  A parameter and its transposes are one producer
   (``ilp.py``: the backward reads a weight as t(t(w)), the forward as t(w)). Not so for the
   blocks FSDP2 keeps gathered from the forward to the backward, as the schedule does: the last
   layer and the root pay a placement once over both phases, their backward only for one the
