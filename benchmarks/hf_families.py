@@ -152,8 +152,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = [measure(key, args.time_limit) for key in args.cases.split(",")]
     if args.json:
-        for r in rows:
-            print(json.dumps(r))
+        print(json.dumps({"rows": rows}))  # one object on stdout, as every --json
         return
     cols = ("case", "mesh", "status", "auto_ms", "obj_ratio", "best_hand", "best_hand_ms", "auto_le_hand",
             "gap", "start", "fallback_ops", "variables", "wall_s", "target_s")

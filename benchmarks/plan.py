@@ -578,9 +578,8 @@ def main() -> None:
                 row["faster_x"] = f"{ref[0] / total:.1f}-{ref[1] / total:.1f}" if ref else "-"
                 row["ok"] = _targets(key, row, to_optimum=args.gap is None)
                 rows.append(row)
-                if args.json:
-                    print(json.dumps(row))
     if args.json:
+        print(json.dumps({"rows": rows}))  # one object on stdout, as every --json
         return
     cols = ("model", "layers", "mode", "trace_s", "strategies_s", "ilp_build_s", "solve_s", "baselines_s",
             "total_s", "cpu_s", "target_s", "autoparallel_s", "faster_x", "variables", "columns_solved",

@@ -64,8 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = [measure(key, args.time_limit) for key in args.cases.split(",")]
     if args.json:
-        for r in rows:
-            print(json.dumps(r))
+        print(json.dumps({"rows": rows}))  # one object on stdout, as every --json
         return
     cols = ("case", "mesh", "status", "chosen", "objective_ms", "step_ms", "ratio", "within_1pct",
             "exposed_ms", "best_hand", "best_hand_ms", "auto_le_hand", "gap", "wall_s")

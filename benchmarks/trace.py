@@ -85,9 +85,8 @@ def main() -> None:
         r["target_s"] = target
         r["ok"] = (target is None or r["total_s"] <= target) and r["peak_rss_gib"] <= RSS_TARGET_GIB
         rows.append(r)
-        if args.json:
-            print(json.dumps(r))
     if args.json:
+        print(json.dumps({"rows": rows}))  # one object on stdout, as every --json
         return
 
     from rich.console import Console
