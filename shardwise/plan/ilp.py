@@ -404,10 +404,10 @@ def build(traced: Traced, ns: dict[fx.Node, NodeStrategies], clus: Clustering, c
             continue  # one placement on both ends: nothing to decide, nothing to pay
         val = producer.meta["val"]
         demands[(u, v, j)] = demand
-        if schedule is not None and schedule.prefetched(u, j):  # split by ``shares``: transport
-            srcs, dsts = list(supply), list(demand)
+        if schedule is not None and (schedule.prefetched(u, j) or schedule.pipelined_reduction(u, j)):
+            srcs, dsts = list(supply), list(demand)  # split by ``shares``: transport
             moves[(u, v, j)] = _add_edge(m, supply, demand, costs.move_times(srcs, dsts, val),
-                                         costs.move_shares(srcs, dsts, val, schedule.pipelined(v)))
+                                         costs.move_shares(srcs, dsts, val, j < 0 or schedule.pipelined(v)))
         else:
             pending[(u, v, j)] = (supply, demand, val)
     if schedule is not None:

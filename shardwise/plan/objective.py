@@ -37,18 +37,22 @@ every copy. Each cost term of the ILP goes to a block and a load:
   over both dims: 205.87 -> 206.29 ms by the schedule). A variable per block at the largest fill
   of its chains (a row per chain column) priced it (205.87 ms again), but the rows made the
   solves slower (GPT-2 over 2x4 10 -> 22 s, Gemma over 2x4 19 -> 47 s and stopped at its
-  limit): not kept. Not so a gradient's reduce_scatters over both dims: one large chain
-  pipelines with nothing (priced at the larger part, the ILP on llama3-8b, 2 layers over 8x8,
-  reduced the output weight's gradient over tp then dp; its tp reduce_scatter ran in the tail's
-  backward ahead of the tail's exposed tp collectives, that block's tp stream 10.7 -> 16.0 ms,
-  the step 48.1 -> 62.8 ms). Priced so for the layers' gradients alone, the tail's whole, the
-  plans over 8x8 got slower still: 2 layers 48.1 -> 56.7 ms, 32 layers 355.0 -> 417.7 ms, and
-  the same with a row more per block for the reductions' parts on the inner dim (w[b] >= them:
-  they queue with its exposed collectives). Yet FSDP over a 2x2 mesh is priced at 1.25x its step
-  without it (StableLM's defaults at 256 wide, 2 layers, batch 4 x 256: 0.982 against 0.786 ms;
-  1.016 with it): its layers' backward reductions, dp then tp, run on the two streams side by
-  side in the schedule. There both dims are inside one node, where the two streams' collectives
-  share the NVLink fabric, which the schedule does not model; the sum may be nearer a real run.)
+  limit): not kept. A gradient's reduction through both dims is priced so too (its larger
+  stream's part: the schedule runs one's tp collective beside the next one's dp collective)
+  where it is made in a decoder layer's backward on a mesh inside one node
+  (``pipelined_reduction``). FSDP over a 2x2 mesh was priced at 1.25x its step before
+  (StableLM's defaults at 256 wide, 2 layers, batch 4 x 256: 0.982 against 0.786 ms; 1.016
+  since), so the hand plan beat the ILP's by the schedule; of eleven configs from transformers'
+  defaults at 256 wide, 2 layers over 2x2 (``--time-limit 20``), the auto plans since run as
+  fast or up to 7% faster (Phi 0.997 -> 0.925 ms), three solve in half the time (Falcon 23.7 ->
+  12.0 s, MPT 30.7 -> 9.0 s, StableLM 31.8 -> 15.7 s) and the others within 20% of theirs. Not
+  across nodes: on llama3-8b over 8x8 the ILP then chose plans the schedule runs slower (2
+  layers 48.1 -> 56.7 ms, 32 layers 355.0 -> 417.7 ms; with the output weight's reduction priced
+  so too, 2 layers 62.8 ms: its tp reduce_scatter ran in the tail's backward ahead of the tail's
+  exposed tp collectives), and with a row more per block for the reductions' tp parts (they
+  queue with its exposed collectives) no better. Inside one node the two streams' collectives
+  cross the same NVLinks, which the schedule does not model; a real run may be nearer the sum
+  there, for large messages (unmeasured: no GPU lent).)
   A parameter and its transposes are one producer
   (``ilp.py``: the backward reads a weight as t(t(w)), the forward as t(w)). Not so for the
   blocks FSDP2 keeps gathered from the forward to the backward, as the schedule does: the last
@@ -358,6 +362,8 @@ class ScheduleObjective:
             val = u.meta["val"]
             if self.options.reduce_fp32 and val.element_size() < FP32_BYTES:
                 seconds *= FP32_BYTES / val.element_size()
+            if shares is not None:  # a layer's, pipelined over the dims' streams
+                seconds *= max(shares)
             block = self._block(u)
             if block == (Phase.BACKWARD, TAIL) and block in self.succ:
                 block = self.succ[block]
@@ -398,6 +404,13 @@ class ScheduleObjective:
         """A move of ``u`` into argument ``j`` of its reader is issued a block ahead (a
         parameter's gather): the only moves ``charge`` splits by ``shares``."""
         return j >= 0 and self._is_param(u)
+
+    def pipelined_reduction(self, u: fx.Node, j: int) -> bool:
+        """A reduction of gradient ``u`` (``j`` is GRAD_SINK) made in a decoder layer's backward,
+        on a mesh inside one node: its chain over the mesh dims pipelines with the layer's other
+        reductions over the dims' streams (``charge``)."""
+        return (j == GRAD_SINK and all(link.intra_node for link in self.costs.topology.dims)
+                and 0 <= self._block(u)[1] < TAIL)
 
     def pipelined(self, v: fx.Node) -> bool:
         """A prefetched move for reader ``v`` is issued under the block before ``v``'s, with that
