@@ -88,6 +88,12 @@ Faster plans: phi3 2 layers 43.428 -> 43.397 ms, Qwen2-7B 1844.828 -> 1838.967, 
 658.662, Gemma-2 1687.444 -> 1681.168; the same: phi3 32 layers 498.423, gpt2 23.373 (23.372);
 slower: pythia 378.988 -> 379.048, bloom 205.866 -> 206.292 (one large chain's fill, unpriced:
 ``plan/objective.py``).
+
+Stop 58 (a decoder layer's gradient reductions through both dims of a one-node mesh priced at
+their larger stream's part, ``ScheduleObjective.pipelined_reduction``; the 2x4 cases only, the
+8x8 model is unchanged): the same plans but bloom 206.292 -> 206.256 and gemma 658.662 ->
+658.643 ms; 9.5-29.8 s, Gemma-2 69.6 s. Alternated with the code before it, the same hour: bloom
+16.4 -> 17.9 s (38,495 -> 38,834 columns), phi3 32 layers 28.2 -> 28.8 s.
 """
 
 from __future__ import annotations
