@@ -407,9 +407,10 @@ class ScheduleObjective:
 
     def pipelined_reduction(self, u: fx.Node, j: int) -> bool:
         """A reduction of gradient ``u`` (``j`` is GRAD_SINK) made in a decoder layer's backward,
-        on a mesh inside one node: its chain over the mesh dims pipelines with the layer's other
-        reductions over the dims' streams (``charge``)."""
-        return (j == GRAD_SINK and all(link.intra_node for link in self.costs.topology.dims)
+        on a mesh of several dims inside one node: its chain over the dims pipelines with the
+        layer's other reductions over the dims' streams (``charge``)."""
+        dims = self.costs.topology.dims
+        return (j == GRAD_SINK and len(dims) > 1 and all(link.intra_node for link in dims)
                 and 0 <= self._block(u)[1] < TAIL)
 
     def pipelined(self, v: fx.Node) -> bool:
