@@ -39,7 +39,7 @@ every copy. Each cost term of the ILP goes to a block and a load:
   solves slower (GPT-2 over 2x4 10 -> 22 s, Gemma over 2x4 19 -> 47 s and stopped at its
   limit): not kept. A gradient's reduction through both dims is priced so too (its larger
   stream's part: the schedule runs one's tp collective beside the next one's dp collective)
-  where it is made in a decoder layer's backward on a mesh inside one node
+  where it is made in a decoder layer's backward on a 2-D (or more) mesh inside one node
   (``pipelined_reduction``). FSDP over a 2x2 mesh was priced at 1.25x its step before
   (StableLM's defaults at 256 wide, 2 layers, batch 4 x 256: 0.982 against 0.786 ms; 1.016
   since), so the hand plan beat the ILP's by the schedule; of eleven configs from transformers'
