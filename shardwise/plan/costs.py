@@ -203,10 +203,10 @@ class PlannerCosts:
             return k
 
         finite = list(zip(*np.nonzero(np.isfinite(times)), strict=True))
-        # A dim made Partial is a local step at the source (``reshard_path``), so such a move
-        # leaves from the source's own node, which no other move passes through (a Shard
-        # gathered to Replicate on the way cannot be made Partial): the source's flow enters
-        # there, and a free arc takes it on to the shared node of its placement.
+        # A move that makes a dim Partial runs from the value as made and leaves no copies
+        # (``lower/spmd._to_partial``), so it is one arc at its time from the source's own node,
+        # which no other move passes through: the source's flow enters there, and a free arc
+        # takes it on to the shared node of its placement.
         to_partial = {(i, j) for i, j in finite if makes_partial(srcs[i], dsts[j])}
         local = {i for i, _ in to_partial}
         dst_node = [at(q) for q in dsts]
@@ -216,9 +216,8 @@ class PlannerCosts:
         for i, j in finite:
             if src_node[i] == dst_node[j]:
                 continue
-            if (i, j) in to_partial:
-                ((_, _, t),) = self._hops(srcs[i], dsts[j], val)
-                paths[(int(i), int(j))] = [hop(src_node[i], dst_node[j], t)]
+            if (i, j) in to_partial:  # one arc: its path's placements are no other move's
+                paths[(int(i), int(j))] = [hop(src_node[i], dst_node[j], float(times[i, j]))]
                 continue
             path = [hop(src_node[i], at(srcs[i]), 0.0)] if i in local else []
             if at(srcs[i]) != dst_node[j]:
