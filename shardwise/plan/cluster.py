@@ -199,7 +199,33 @@ def cluster(traced: Traced, pinned: Mapping[str, Hashable] | None = None) -> Clu
             r = min(members, key=index.__getitem__)
             for n in members:
                 result.rep[n] = r
+    _unline_other_producers(result)
     return result
+
+
+def _unline_other_producers(clus: Clustering) -> None:
+    """A getitem or a follower takes its placement from its producer: represented by a node
+    whose producer is represented otherwise, it would read its own producer in the placement
+    the other one yields, and the lowering would add a move no one priced. ``_align`` lines such
+    nodes up where both producers are outside the layer, which serves where they are copies of
+    one position (layer k reading layer k-1's output). Not where they are not: over 2 layers of
+    GPT-2, the gradient entering layer 0 is a getitem of layer 1's LayerNorm backward (which
+    keeps its own variables), and the one it was represented by, entering layer 1, the tail's;
+    its fsdp_tp_sp plan then lowered an all_gather it had not priced. Such a node keeps its own
+    variables, and so, in turn, do the single-input nodes that read it."""
+    position = {n: (k, c) for k, cluster in enumerate(clus.clusters)
+                for c, copy in enumerate(cluster) for n in copy}
+    changed = True
+    while changed:
+        changed = False
+        for n, r in clus.rep.items():
+            if r is n or not (args := _single_input(n)):
+                continue
+            if clus.rep.get(args[0], args[0]) is not clus.rep.get(_single_input(r)[0], _single_input(r)[0]):
+                clus.rep[n] = n
+                k, c = position[n]
+                clus.clusters[k][c].remove(n)
+                changed = True
 
 
 # The share of a cluster's nodes a layer must line up with to join it without matching exactly.

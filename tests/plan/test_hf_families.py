@@ -15,13 +15,16 @@ import json
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
+from shardwise.ir.match import is_getitem
 from shardwise.ir.trace import trace_model
+from shardwise.lower import lower
 from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan.baselines import baseline_spec
 from shardwise.plan.cluster import cluster
-from shardwise.plan.planner import NO_PLAN, plan_with_baselines
+from shardwise.plan.planner import NO_PLAN, estimate, make_plan, plan_with_baselines
 from shardwise.plan.strategies import enumerate_strategies
+from shardwise.runtime.counter import as_json, count_graph
 from tests.helpers import BLOOM_TINY, DATA
 
 FAMILIES = ("phi3.json", "qwen2_7b.json", "gemma_2b.json", "gemma2_2b.json", "gpt2.json", "pythia_1b4.json",
@@ -154,3 +157,23 @@ def test_more_families_have_a_strategy_for_every_op(family, tmp_path):
     canonicalize(tr)
     strategies = enumerate_strategies(tr.gm, MESH.device_mesh())
     assert sorted({str(n.target) for n, st in strategies.items() if st.fallback}) == []
+
+
+@pytest.mark.parametrize("family", ["gpt2", "stablelm"])
+def test_the_lowered_program_runs_the_collectives_its_plan_counts(family, tmp_path):
+    """Over two clustered layers, a getitem or a follower reads its own producer in the
+    placement the plan priced. Over GPT-2's and StableLM's two layers, the gradient entering
+    layer 0 (a getitem of layer 1's LayerNorm backward, which keeps its own variables) was
+    represented by the one entering layer 1, a getitem of the tail's: the fsdp_tp_sp plan placed
+    it as the tail's and the lowering added an all_gather the plan did not count."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": family, **{**NAMED_OTHERWISE, **MORE_FAMILIES}[family]}))
+    tr = trace_model(f"hf:{config}", layers=2, batch=4, seq=64)
+    canonicalize(tr)
+    clus = cluster(tr)
+    for n, r in clus.rep.items():
+        if r is not n and is_getitem(n):
+            assert clus.rep[n.args[0]] is clus.rep[r.args[0]], n.name
+    plan = make_plan(tr, MESH, baseline="fsdp_tp_sp")
+    estimate(tr, plan)
+    assert as_json(plan.collectives) == as_json(count_graph(lower(tr, plan).gm))
