@@ -46,12 +46,13 @@ def test_a_step_with_dropout_draws_the_references_masks(capsys, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, fused", [("gemma2", 8), ("bloom", 11)])
+@pytest.mark.parametrize("family, fused", [("gemma2", 8), ("bloom", 10)])
 def test_eager_attention_families_run_fused_and_match_the_reference(family, fused, tmp_path):
     """Gemma-2 (its attention soft-capped and, every other layer, windowed: transformers' eager
     attention, as matmuls and a softmax) and Bloom (above) over FSDP x sequence-parallel TP,
     their projections fused with their collectives (Bloom's: every column-parallel one reads its
-    LayerNorm's output sequence-sharded): the step is the one-process step's."""
+    LayerNorm's output sequence-sharded): the step is the one-process step's. (Bloom's count was
+    11 while its lowering ran an all_gather the plan had not priced, ``cluster._unline_other_producers``.)"""
     config = HF_TINY["gemma2"] if family == "gemma2" else tmp_path / "config.json"
     if family == "bloom":
         config.write_text(json.dumps(BLOOM_TINY))
