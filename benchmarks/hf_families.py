@@ -94,6 +94,15 @@ their larger stream's part, ``ScheduleObjective.pipelined_reduction``; the 2x4 c
 8x8 model is unchanged): the same plans but bloom 206.292 -> 206.256 and gemma 658.662 ->
 658.643 ms; 9.5-29.8 s, Gemma-2 69.6 s. Alternated with the code before it, the same hour: bloom
 16.4 -> 17.9 s (38,495 -> 38,834 columns), phi3 32 layers 28.2 -> 28.8 s.
+
+Stop 59 (a move into a Partial dim priced along the path the lowering runs, ``cost/reshard.py``;
+a getitem or follower whose representative's producer is represented otherwise keeps its own
+variables, ``plan/cluster.py``): every auto plan <= its best hand plan, no fallback ops, the same
+plans but bloom's 206.256 -> 206.292 ms (its model had placed a getitem as another layer's; the
+plan's own optimum now), 10.5-21.9 s, Gemma-2 66.8 s; Qwen2-7B 1838.967 ms as before (74,279
+columns). The cluster change's columns (a run with the reshard change alone, then both): gpt2
+39,307 -> 40,697, pythia 80,076 -> 85,576, bloom 38,786 -> 41,800 (their getitems of a LayerNorm
+backward keep their own variables).
 """
 
 from __future__ import annotations

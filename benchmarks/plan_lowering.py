@@ -1,14 +1,15 @@
 """Does the lowered program run the collectives its plan priced? Every family, every plan.
 
 For each tiny config (tests/plan/test_hf_families.py's families and the built-in llama-tiny,
-traced with two layers, batch 4 x 64) and each plan (the four hand plans and the auto plan,
-``--time-limit`` each) over a 2x2 H100 mesh: the collectives the planner prices
-(``plan.collectives``, the node-by-node estimate's) against those in the per-rank program the
-lowering makes (``lower/spmd.py``), on fake tensors. They must be the same: a move the plan does
-not count is one the ILP did not pay for and the step schedule does not run.
+traced with two layers, batch 4 x 64 by default; ``--inference``: the forward only) and each plan (the four
+hand plans and the auto plan, ``--time-limit`` each) over a 2x2 H100 mesh (``--mesh``): the
+collectives the planner prices (``plan.collectives``, the node-by-node estimate's) against those
+in the per-rank program the lowering makes (``lower/spmd.py``), on fake tensors. They must be
+the same: a move the plan does not count is one the ILP did not pay for and the step schedule
+does not run.
 
     .venv/bin/python benchmarks/plan_lowering.py [--json] [--families gpt2,stablelm] [--plans fsdp,auto]
-        [--time-limit 15]
+        [--mesh 2x4] [--batch 4] [--seq 64] [--inference] [--time-limit 15]
 
 Stop 59, before the fixes it came with (``cost/reshard._code_path``'s moves into a Partial dim,
 ``plan/cluster._unline_other_producers``): fsdp_tp_sp ran one all_gather more than it priced on
@@ -36,8 +37,7 @@ from shardwise.plan import BASELINES
 from shardwise.plan.planner import estimate, make_plan
 from shardwise.runtime.counter import as_json, count_graph
 
-MESH = Mesh((2, 2), ("dp", "tp"), "h100")
-LAYERS, BATCH, SEQ = 2, 4, 64
+LAYERS = 2
 
 
 def _configs(names: list[str] | None, into: Path) -> dict[str, str]:
@@ -54,15 +54,16 @@ def _configs(names: list[str] | None, into: Path) -> dict[str, str]:
     return {k: v for k, v in out.items() if names is None or k in names}
 
 
-def measure(family: str, model: str, plans: list[str], time_limit_s: float) -> list[dict]:
+def measure(family: str, model: str, plans: list[str], mesh: Mesh, train: bool, batch: int, seq: int,
+            time_limit_s: float) -> list[dict]:
     try:
-        traced = trace_model(model, train=True, layers=LAYERS, batch=BATCH, seq=SEQ)
+        traced = trace_model(model, train=train, layers=LAYERS, batch=batch, seq=seq)
     except UserError as e:
         return [{"family": family, "plan": "-", "agree": f"no trace: {str(e)[:60]}"}]
     canonicalize(traced)
     rows = []
     for name in plans:
-        plan = make_plan(traced, MESH, baseline=None if name == "auto" else name, time_limit_s=time_limit_s)
+        plan = make_plan(traced, mesh, baseline=None if name == "auto" else name, time_limit_s=time_limit_s)
         if plan is None:
             rows.append({"family": family, "plan": name, "agree": "n/a"})
             continue
@@ -80,13 +81,20 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--families", default=None, help="comma-separated (default: all)")
     ap.add_argument("--plans", default=",".join((*BASELINES, "auto")))
+    ap.add_argument("--mesh", default="2x2")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--inference", action="store_true", help="forward only (default: a training step)")
     ap.add_argument("--time-limit", type=float, default=15.0, help="each plan's solver time limit, seconds")
     args = ap.parse_args()
+    shape = tuple(int(x) for x in args.mesh.split("x"))
+    mesh = Mesh(shape, ("dp", "tp")[:len(shape)], "h100")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         names = args.families.split(",") if args.families else None
         for family, model in _configs(names, Path(tmp)).items():
-            rows += measure(family, model, args.plans.split(","), args.time_limit)
+            rows += measure(family, model, args.plans.split(","), mesh, not args.inference,
+                            args.batch, args.seq, args.time_limit)
     if args.json:
         print(json.dumps({"rows": rows}))  # one object on stdout, as every --json
         return
