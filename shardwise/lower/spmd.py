@@ -76,6 +76,8 @@ from shardwise.stdio import quiet_logger
 
 log = logging.getLogger(__name__)
 
+# Views whose result depends on their input's strides (``_Lowerer._laid_out_as``).
+_STRIDED_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
 # ``SPMDProgram.node_collectives`` key of the collectives that deliver the graph's outputs.
 OUTPUT_KEY = "<output>"
 # How DTensor's own traced programs fetch a mesh dim's group (PyTorch 2.13; older versions, as a
@@ -445,6 +447,8 @@ class _Lowerer(fx.Interpreter):
         kwargs = dict(kwargs)
         if "device" in kwargs and kwargs["device"] is not None:
             kwargs["device"] = self.device
+        if n.target in _STRIDED_VIEWS and isinstance(args[0], DTensor):
+            args = (self._laid_out_as(args[0], n.args[0].meta["val"]), *args[1:])
         if n.target is operator.getitem:
             out = operator.getitem(*args)
         elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and (
@@ -457,6 +461,18 @@ class _Lowerer(fx.Interpreter):
         self.placed[n.name] = tuple(tuple(x.placements) for x in tree_flatten(out)[0]
                                     if isinstance(x, DTensor))
         return out
+
+    def _laid_out_as(self, v: DTensor, like: torch.Tensor) -> DTensor:
+        """``v`` with its local piece laid out in memory as the traced value ``like`` is. A view
+        reads its input's strides, and a move's collective returns its output contiguous: an
+        attention output traced as ``(b, s, h, d)`` in memory, gathered over its heads, comes
+        back laid out ``(b, h, s, d)``, which its transpose cannot view as ``(b, s, h * d)``."""
+        local = v.to_local()
+        laid = _same_layout(local, like)
+        if laid is local:
+            return v
+        return DTensor.from_local(laid, self.mesh, v.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
 
     def _conform_all(self, n: fx.Node, out: object, want_out: list[Placements]) -> object:
         if isinstance(out, (tuple, list)):
