@@ -136,8 +136,8 @@ def normalise(ps: Placements, ndim: int) -> Placements | None:
 
 
 def makes_partial(src: Placements, dst: Placements) -> bool:
-    """A move that makes some mesh dim ``Partial``: the lowering's local step at its source,
-    before any ``redistribute``."""
+    """A move that makes some mesh dim ``Partial``: the lowering's local step, after the other
+    dims have moved (``reshard_path``)."""
     for a, b in zip(src, dst, strict=True):
         if type(b) is Partial and a != b:
             return True

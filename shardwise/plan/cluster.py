@@ -219,9 +219,10 @@ def _unline_other_producers(clus: Clustering) -> None:
     while changed:
         changed = False
         for n, r in clus.rep.items():
-            if r is n or not (args := _single_input(n)):
+            if r is n or not (mine := _single_input(n)):
                 continue
-            if clus.rep.get(args[0], args[0]) is not clus.rep.get(_single_input(r)[0], _single_input(r)[0]):
+            theirs = _single_input(r)
+            if not theirs or clus.rep.get(mine[0], mine[0]) is not clus.rep.get(theirs[0], theirs[0]):
                 clus.rep[n] = n
                 k, c = position[n]
                 clus.clusters[k][c].remove(n)

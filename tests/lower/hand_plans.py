@@ -8,8 +8,12 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from shardwise.ir.trace import Traced, trace
+from shardwise.lower import SPMDProgram, lower
 from shardwise.plan.placement import Placements
 from shardwise.plan.plan import NodeSpec, Plan, graph_fingerprint
+from shardwise.plan.planner import estimate
+from shardwise.runtime import run
+from shardwise.runtime.counter import as_json, count_graph
 
 
 def hand_plan(traced: Traced, mesh_shape: tuple[int, ...], params: Placements, inputs: Placements,
@@ -22,6 +26,20 @@ def hand_plan(traced: Traced, mesh_shape: tuple[int, ...], params: Placements, i
     for i in traced.inputs:
         plan.nodes[i] = NodeSpec((tuple(inputs),))
     return plan
+
+
+def lower_as_priced(traced: Traced, plan: Plan) -> SPMDProgram:
+    """``plan`` lowered, checked to run exactly the collectives the planner prices for it."""
+    prog = lower(traced, plan)
+    estimate(traced, plan)
+    assert as_json(plan.collectives) == as_json(count_graph(prog.gm))
+    return prog
+
+
+def assert_runs_like_the_reference(prog: SPMDProgram) -> None:
+    """``prog`` on gloo ranks computes what the graph computes in one process."""
+    res = run(prog, check=True, timeout_s=120)
+    assert res.max_rel_err is not None and res.max_rel_err <= 1e-6, res.worst
 
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)

@@ -16,10 +16,7 @@ from shardwise.ir.match import all_collectives
 from shardwise.ir.trace import trace
 from shardwise.lower import lower
 from shardwise.plan.plan import NodeSpec
-from shardwise.plan.planner import estimate
-from shardwise.runtime import run
-from shardwise.runtime.counter import as_json, count_graph
-from tests.lower.hand_plans import hand_plan
+from tests.lower.hand_plans import assert_runs_like_the_reference, hand_plan, lower_as_priced
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 MESH = (2, 2)
@@ -46,16 +43,10 @@ def test_a_move_into_partial_is_priced_and_lowered_along_the_other_dims_path():
     hops, cost = reshard_path((R, S0), (P, S1), SHAPE, 4, MeshTopology(MESH, "h100"))
     assert hops == ((R, R), (R, S1), (P, S1))  # gathered over tp, sliced, then made Partial
     assert [(u.kind, u.mesh_dim) for u in cost.collectives] == [(K.ALL_GATHER, 1)]
-    traced, plan = _plan()
-    prog = lower(traced, plan)
+    prog = lower_as_priced(*_plan())
     assert [c.kind for c in all_collectives(prog.gm.graph)] == [K.ALL_GATHER]
-    estimate(traced, plan)
-    assert as_json(plan.collectives) == as_json(count_graph(prog.gm))
 
 
 @pytest.mark.slow
 def test_a_program_that_moves_into_partial_matches_the_reference():
-    prog = lower(*_plan())
-    res = run(prog, check=True, timeout_s=120)
-    assert res.max_rel_err is not None and res.max_rel_err <= 1e-6, res.worst
-    assert as_json(res.measured) == as_json(count_graph(prog.gm))
+    assert_runs_like_the_reference(lower(*_plan()))
