@@ -101,6 +101,18 @@ def _sum_partials_only(s: Strategy, target: object = None) -> bool:
                for ps in (*s.output, *s.inputs) for p in ps)
 
 
+def _partial_integers(s: Strategy, out_dtypes: list[torch.dtype | None],
+                      in_dtypes: list[torch.dtype]) -> bool:
+    """Whether ``s`` has an integer or boolean tensor pending a sum. Made from a replicated one,
+    a sum is split by dividing (``lower/spmd._to_partial``), which turns int64 positions into
+    float32 ones (EXAONE-4's, Granite's, Cohere's and Gemma-3's auto plans at batch 8 x 1024 built
+    their attention masks so, and moved half the bytes their plans priced); nor does a pending
+    sum of comparisons mean anything."""
+    placed = [*zip(s.output, out_dtypes, strict=False), *zip(s.inputs, in_dtypes, strict=False)]
+    return any(dtype is not None and not dtype.is_floating_point and ps is not None
+               and any(isinstance(p, Partial) for p in ps) for ps, dtype in placed)
+
+
 def _valid(s: Strategy, out_shapes: list[tuple[int, ...] | None], in_shapes: list[tuple[int, ...]],
            mesh_shape: tuple[int, ...], target: object = None) -> bool:
     if not _sum_partials_only(s, target):
@@ -581,6 +593,9 @@ def _ask(node: fx.Node, choices: dict[fx.Node, list[Placements]], mesh: DeviceMe
     if found is not None:
         found = [_without_mask_partials(node, s) for s in found if _mask_partial_dims(s) <= 1]
         found = [s for s in dict.fromkeys(found) if _valid(s, out_shapes, in_shapes, mesh_shape, node.target)]
+        dtypes = ([v.dtype if v is not None else None for v in _out_vals(node)],
+                  [a.meta["val"].dtype for a in targs])
+        found = [s for s in found if not _partial_integers(s, *dtypes)]
     if not found:
         # factory ops (no tensor inputs) are simply replicated; others fall back, and say so
         return [_replicated(node, len(mesh_shape))], bool(targs)

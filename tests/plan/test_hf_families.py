@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardwise.ir.match import is_getitem
 from shardwise.ir.trace import trace_model
@@ -22,8 +22,9 @@ from shardwise.mesh import Mesh
 from shardwise.passes.pipeline import canonicalize
 from shardwise.plan.baselines import baseline_spec
 from shardwise.plan.cluster import cluster
+from shardwise.plan.plan import tensor_args
 from shardwise.plan.planner import NO_PLAN, estimate, make_plan, plan_with_baselines
-from shardwise.plan.strategies import enumerate_strategies
+from shardwise.plan.strategies import enumerate_strategies, flat_tensor_vals
 from shardwise.runtime.counter import as_json, count_graph
 from tests.helpers import BLOOM_TINY, DATA
 
@@ -177,3 +178,22 @@ def test_the_lowered_program_runs_the_collectives_its_plan_counts(family, tmp_pa
     plan = make_plan(tr, MESH, baseline="fsdp_tp_sp")
     estimate(tr, plan)
     assert as_json(plan.collectives) == as_json(count_graph(lower(tr, plan).gm))
+
+
+def test_no_integer_or_boolean_tensor_is_pending_a_sum(tmp_path):
+    """Granite builds its attention mask from int64 positions (index, le, eq); DTensor's rules
+    offer them pending sums, which the lowering makes by dividing (float32 positions where the
+    graph has int64: its auto plan at batch 8 x 1024 moved half the bytes it priced)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "granite", **MORE_FAMILIES["granite"]}))
+    tr = trace_model(f"hf:{config}", layers=1, batch=4, seq=64)
+    canonicalize(tr)
+    placed = 0
+    for n, st in enumerate_strategies(tr.gm, MESH.device_mesh()).items():
+        vals = [*flat_tensor_vals(n), *(a.meta["val"] for a in tensor_args(n))]
+        for s in st.strategies:
+            for ps, v in zip((*s.output, *s.inputs), vals, strict=False):
+                if not v.dtype.is_floating_point:
+                    placed += 1
+                    assert not any(isinstance(p, Partial) for p in ps), n.format_node()
+    assert placed > 0
