@@ -444,6 +444,19 @@ columns (``solver.LOOSE_MIP_MAX_LEFT``; 70B: 82%): session start (085625b) and t
 ``--modes warm --gap 0.01``: 2 layers 4.44, 4.49 -> 4.48, 4.56 s; 32 layers 5.80, 5.74 -> 5.87,
 5.74 s; 70B 25.63, 25.65 -> 15.91, 16.40 s; the same plans (70B's gap 4.59% -> 4.60%: the MIP had
 lifted the bound by 0.005%).
+
+Stop 59 (a quiet 2-core machine): 2 layers 5.25 s (5.19-5.31 s in six runs, three of them of the
+code at 65853b2, stop 55's last change, alternating: no regression since its 4.6-4.8 s; the
+machine). Its timeline: tracing 0.43 s, the auto ILP's strategies and build 0.9 s, its
+interior-point LP 3.56 s in the background thread (the hand plans end 2 s before it), rounding
+and the neighbourhood 0.19 s, the rest 0.18 s. That LP (56,757 columns, 18,327 rows, 31 ipx
+iterations, 3.4 s alone) under HiGHS's options, none more than 3% faster: presolve off 3.42 s;
+``ipx_dualize_strategy`` 0, 2, 3, -1 3.39-3.45 s, 1 10.6 s; ``solver=hipo`` runs ipx in highspy
+1.16; ``user_objective_scale`` -1, -3, -6 3.50-3.58 s; tolerance 1e-2 3.24 s (30 iterations);
+the columns dearer than the start fixed out 3.33 s (29). Moves into a Partial dim priced as
+the lowering runs them (``cost/reshard.py``): 59,058 -> 58,584 columns, the same plans and gaps.
+The final code, ``--modes warm --gap 0.01``, once, after the test suite: 2 layers 4.73 s (met,
+this once), 32 layers 5.86 s, 70B 16.23 s; 48.1 ms, 355.0 ms, fsdp_tp 1.6803 s (gap 4.60%).
 """
 
 from __future__ import annotations
