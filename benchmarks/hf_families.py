@@ -100,8 +100,8 @@ a getitem or follower whose representative's producer is represented otherwise k
 variables, ``plan/cluster.py``; no integer or boolean tensor pending a sum,
 ``plan/strategies.py``). The final code: every auto plan <= its best hand plan, no fallback ops,
 7.0-18.8 s, Gemma-2 54.8 s (66.8 s before the last change); the same plans but gemma 658.643 ->
-658.662 ms and Gemma-2 1681.168 -> 1681.140 ms; Qwen2-7B 1838.967 ms as before. Columns, stop 58
-or a run with the first change -> the final code: phi3 2 layers 65,611 -> 64,997, 32 layers
+658.662 ms and Gemma-2 1681.168 -> 1681.140 ms; Qwen2-7B 1838.967 ms as before. Columns, a run
+with the first change alone -> the final code: phi3 2 layers 65,611 -> 64,997, 32 layers
 95,441 -> 94,827, Qwen2-7B 74,279 -> 74,004, gemma 82,295 -> 81,928, Gemma-2 108,566 ->
 107,585, gpt2 39,307 -> 40,330, pythia 80,076 -> 85,209 and bloom 38,786 -> 41,785 (their
 getitems of a LayerNorm backward keep their own variables). Bloom's plan was 206.292 ms between
