@@ -162,7 +162,7 @@ def test_a_gradient_partial_over_both_dims_is_reduced_over_the_fast_dim_first():
     straight = topo.collective_time(K.ALL_REDUCE, full, 0) + topo.collective_time(K.REDUCE_SCATTER, full, 1)
     assert cost.time_s < straight / 3
     assert reshard_path((R, S0), (R, R), shape, 2, topo)[0] == ((R, R),)
-    # a dim made Partial is the lowering's last step, local: the path is the other dims' and it
+    # a dim made Partial is the lowering's last step, a local one, after the other dims' path
     hops, cost = reshard_path((S0, R), (R, P), shape, 2, topo)
     other_hops, other = reshard_path((S0, R), (R, R), shape, 2, topo)
     assert len(other_hops) > 1 and hops == (*other_hops, (R, P)) and cost == other
