@@ -101,16 +101,15 @@ def _sum_partials_only(s: Strategy, target: object = None) -> bool:
                for ps in (*s.output, *s.inputs) for p in ps)
 
 
-def _partial_integers(s: Strategy, out_dtypes: list[torch.dtype | None],
-                      in_dtypes: list[torch.dtype]) -> bool:
+def _partial_integers(s: Strategy, outs: list[torch.Tensor | None], ins: list[torch.Tensor]) -> bool:
     """Whether ``s`` has an integer or boolean tensor pending a sum. Made from a replicated one,
     a sum is split by dividing (``lower/spmd._to_partial``), which turns int64 positions into
     float32 ones (EXAONE-4's, Granite's, Cohere's and Gemma-3's auto plans at batch 8 x 1024 built
     their attention masks so, and moved half the bytes their plans priced); nor does a pending
     sum of comparisons mean anything."""
-    placed = [*zip(s.output, out_dtypes, strict=False), *zip(s.inputs, in_dtypes, strict=False)]
-    return any(dtype is not None and not dtype.is_floating_point and ps is not None
-               and any(isinstance(p, Partial) for p in ps) for ps, dtype in placed)
+    placed = [*zip(s.output, outs, strict=False), *zip(s.inputs, ins, strict=False)]
+    return any(v is not None and ps is not None and not v.dtype.is_floating_point
+               and any(isinstance(p, Partial) for p in ps) for ps, v in placed)
 
 
 def _valid(s: Strategy, out_shapes: list[tuple[int, ...] | None], in_shapes: list[tuple[int, ...]],
@@ -573,8 +572,9 @@ def _ask(node: fx.Node, choices: dict[fx.Node, list[Placements]], mesh: DeviceMe
          targs: list[fx.Node]) -> tuple[list[Strategy], bool]:
     """(strategies, fell back to replicated) from our rules or DTensor's."""
     mesh_shape = tuple(mesh.shape)
-    in_shapes = [tuple(a.meta["val"].shape) for a in targs]
-    out_shapes = [tuple(v.shape) if v is not None else None for v in _out_vals(node)]
+    ins, outs = [a.meta["val"] for a in targs], _out_vals(node)
+    in_shapes = [tuple(v.shape) for v in ins]
+    out_shapes = [tuple(v.shape) if v is not None else None for v in outs]
     found: list[Strategy] | None = None
     if draws_random(node):
         # A random draw (a dropout mask) is made whole on every rank, from a generator every
@@ -592,10 +592,8 @@ def _ask(node: fx.Node, choices: dict[fx.Node, list[Placements]], mesh: DeviceMe
             found = None
     if found is not None:
         found = [_without_mask_partials(node, s) for s in found if _mask_partial_dims(s) <= 1]
-        found = [s for s in dict.fromkeys(found) if _valid(s, out_shapes, in_shapes, mesh_shape, node.target)]
-        dtypes = ([v.dtype if v is not None else None for v in _out_vals(node)],
-                  [a.meta["val"].dtype for a in targs])
-        found = [s for s in found if not _partial_integers(s, *dtypes)]
+        found = [s for s in dict.fromkeys(found) if _valid(s, out_shapes, in_shapes, mesh_shape, node.target)
+                 and not _partial_integers(s, outs, ins)]
     if not found:
         # factory ops (no tensor inputs) are simply replicated; others fall back, and say so
         return [_replicated(node, len(mesh_shape))], bool(targs)
